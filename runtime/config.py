@@ -1,0 +1,48 @@
+"""Engine configuration: one frozen, validated dataclass built by the CLI or by library users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine.
+
+    kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
+    model's context length, capped by what the cache can hold. prefill_chunk_size is the most
+    prompt tokens one step processes for one sequence (chunked prefill).
+    """
+
+    model_id: str = DEFAULT_MODEL_ID
+    weight_file: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    kvcache_mem_mb: int = 1024
+    page_size: int = 16
+    prefill_chunk_size: int = 8192
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.kvcache_mem_mb < 1:
+            raise ValueError(f"kvcache_mem_mb must be >= 1, got {self.kvcache_mem_mb}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.prefill_chunk_size < self.page_size:
+            raise ValueError(
+                f"prefill_chunk_size must be >= page_size ({self.page_size}), "
+                f"got {self.prefill_chunk_size}"
+            )

@@ -1,0 +1,65 @@
+"""The engine interface the HTTP layer (and library users) program against.
+
+1. A caller tokenizes (``engine.tokenizer``) and calls ``engine.generate(prompt_ids, sampling, id)``.
+2. The engine queues the request; its loop thread batches it with the others, step by step.
+3. The returned async iterator yields ``GenerationDelta``s on the caller's event loop; the last one
+   carries a ``finish_reason``. Leaving the iterator early (client gone) aborts the request and
+   frees its pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from runtime.request import GenerationDelta, SamplingParams
+
+
+class TokenizerLike(Protocol):
+    """The subset of ``runtime.tokenizer.Tokenizer`` that callers of an engine rely on."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids to text."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render a chat (list of {role, content}) with the model's template, in a sandbox."""
+        ...
+
+
+class EngineClient(Protocol):
+    """What the API layer needs from an engine: identity, a tokenizer, and a token stream."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: TokenizerLike
+
+    def start(self) -> None:
+        """Start the loop thread (compiles, warms up). Returns when ready to serve."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; unfinished requests end with finish_reason ``abort``."""
+        ...
+
+    def healthy(self) -> bool:
+        """True while the loop thread is alive and serving."""
+        ...
+
+    def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Submit a request; yield its deltas on the running event loop until it finishes.
+
+        Raises ``ValueError`` (before yielding anything) when the prompt cannot be served, e.g.
+        it is empty or longer than ``max_model_len``.
+        """
+        ...
