@@ -1,0 +1,153 @@
+"""Llama (and the many checkpoints that share its layout: SmolLM, Yi, DeepSeek-R1-Distill-Llama)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.batch import StepBatch
+from models.layers.attention import AttentionConfig, paged_self_attention
+from models.layers.mlp import gated_mlp
+from models.layers.norms import rms_norm
+from models.layers.rotary import RopeConfig
+from models.weights import WeightRule, load_weights
+from pallas_kernels.paged_attention import KVCache
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention: AttentionConfig
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """The one place HF ``config.json`` names for Llama are read."""
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        rope_params = hf.get("rope_parameters") or {}
+        theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope_params.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type")
+        if rope_type not in (None, "default"):
+            raise ValueError(f"rope scaling {rope_type!r} is not supported for Llama yet")
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention=AttentionConfig(
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                rope=RopeConfig(theta=float(theta), rotary_dim=head_dim),
+            ),
+        )
+
+
+_LAYER = r"model\.layers\.(\d+)\."
+WEIGHT_RULES = (
+    WeightRule(r"model\.embed_tokens\.weight", "embed"),
+    WeightRule(r"model\.norm\.weight", "final_norm"),
+    WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
+    WeightRule(_LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.q_proj\.weight", "wq", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.v_proj\.weight", "wv", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
+    WeightRule(_LAYER + r"mlp\.gate_proj\.weight", "w_gate", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"mlp\.up_proj\.weight", "w_up", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.rotary_emb\.inv_freq", None),
+)
+_LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight field and its shape; per-layer fields are stacked on a leading layer axis."""
+    a, n = cfg.attention, cfg.num_layers
+    shapes = {
+        "embed": (cfg.vocab_size, cfg.hidden_size),
+        "final_norm": (cfg.hidden_size,),
+        "attn_norm": (n, cfg.hidden_size),
+        "wq": (n, cfg.hidden_size, a.num_heads * a.head_dim),
+        "wk": (n, cfg.hidden_size, a.num_kv_heads * a.head_dim),
+        "wv": (n, cfg.hidden_size, a.num_kv_heads * a.head_dim),
+        "wo": (n, a.num_heads * a.head_dim, cfg.hidden_size),
+        "mlp_norm": (n, cfg.hidden_size),
+        "w_gate": (n, cfg.hidden_size, cfg.intermediate_size),
+        "w_up": (n, cfg.hidden_size, cfg.intermediate_size),
+        "w_down": (n, cfg.intermediate_size, cfg.hidden_size),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
+def load(
+    cfg: LlamaConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: jnp.dtype,
+    num_tensors: int | None = None,
+) -> dict[str, Any]:
+    """Checkpoint tensors (HF names) -> the weight pytree ``forward`` takes."""
+    flat = load_weights(weight_shapes(cfg), WEIGHT_RULES, tensors, dtype, num_tensors)
+    weights: dict[str, Any] = {k: v for k, v in flat.items() if k not in _LAYER_FIELDS}
+    weights["layers"] = {k: flat[k] for k in _LAYER_FIELDS}
+    return weights
+
+
+def forward(
+    cfg: LlamaConfig, weights: dict[str, Any], cache: KVCache, batch: StepBatch
+) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
+    """Run the new tokens through all layers; return logits at each sequence's last new token."""
+    x = weights["embed"][batch.tokens]  # [num_seqs, q_len, hidden]
+
+    def layer_step(carry: tuple[jax.Array, KVCache], xs: tuple[dict, jax.Array]):
+        x, cache = carry
+        lw, layer = xs
+        h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+        attn, cache = paged_self_attention(
+            cfg.attention, h, lw["wq"], lw["wk"], lw["wv"], lw["wo"], cache, layer, batch
+        )
+        x = x + attn
+        h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
+        x = x + gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"])
+        return (x, cache), None
+
+    layers = (weights["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    (x, cache), _ = jax.lax.scan(layer_step, (x, cache), layers)
+    last = jnp.maximum(batch.q_lens - 1, 0)
+    h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
+    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("sh,vh->sv", h, weights["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("sh,hv->sv", h, weights["lm_head"], preferred_element_type=jnp.float32)
+    return logits, cache

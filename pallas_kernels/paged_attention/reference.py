@@ -1,0 +1,78 @@
+"""Pure-jnp paged attention: the numerical reference, and the CPU path.
+
+Each sequence gathers only its own pages (``page_indices``) and every key position at or past its
+``kv_lens`` is masked, so stale or NaN-filled pages never leak into the result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
+
+
+def _validate(q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens: jax.Array) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [num_seqs, q_len, num_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 5:
+        raise ValueError(
+            "k_cache must be [num_layers, num_pages, page_size, num_kv_heads, head_dim], "
+            f"got shape {k_cache.shape}"
+        )
+    num_seqs, _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    if k_cache.shape[4] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, cache has {k_cache.shape[4]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if page_indices.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"page_indices {page_indices.shape} and kv_lens {kv_lens.shape} must lead with "
+            f"num_seqs={num_seqs}"
+        )
+
+
+def paged_attention(
+    q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # [] int32
+    positions: jax.Array,  # [num_seqs, q_len] int32, absolute position of each query token
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+    kv_lens: jax.Array,  # [num_seqs] int32, valid KV positions (including this step's tokens)
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
+    """Causal attention of each query token over its own sequence's paged K/V.
+
+    Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p`` and,
+    with a sliding window ``w``, ``t > p - w``. Computation is in float32.
+    """
+    _validate(q, k_cache, page_indices, kv_lens)
+    num_seqs, q_len, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    kv_len_max = page_indices.shape[1] * page_size
+
+    k = k_cache[layer, page_indices].reshape(num_seqs, kv_len_max, num_kv_heads, head_dim)
+    v = v_cache[layer, page_indices].reshape(num_seqs, kv_len_max, num_kv_heads, head_dim)
+    key_pos = jnp.arange(kv_len_max)  # [kv_len_max]
+    in_range = key_pos[None, :] < kv_lens[:, None]  # [num_seqs, kv_len_max]
+    # Zero unused positions: masked scores alone do not stop 0 * NaN from reaching the output.
+    k = jnp.where(in_range[:, :, None, None], k, 0).astype(jnp.float32)
+    v = jnp.where(in_range[:, :, None, None], v, 0).astype(jnp.float32)
+
+    qg = q.astype(jnp.float32).reshape(num_seqs, q_len, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k) * scale  # [s, kv_heads, group, q_len, kv]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    visible = in_range[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("skgqt,stkd->sqkgd", probs, v)
+    return out.reshape(num_seqs, q_len, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,63 @@
+"""Padding buckets: the fixed shapes every step is padded to, all compiled at startup."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
+    """start, start*factor, ... capped by stop, always ending with stop."""
+    values, v = [], start
+    while v < stop:
+        values.append(v)
+        v *= factor
+    values.append(stop)
+    return tuple(values)
+
+
+def pick(buckets: tuple[int, ...], n: int) -> int:
+    """Smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Decode steps are ``[num_seqs, 1]``; prefill steps are ``[1, q_len]``; both gather
+    ``pages`` pages per sequence.
+
+    Page buckets double (attention reads every gathered page), prefill lengths grow by 4x (the
+    matmuls dominate prefill, so padding costs less than an extra compiled shape).
+    """
+
+    decode_seqs: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
+    pages: tuple[int, ...]
+    page_size: int
+
+    @classmethod
+    def build(
+        cls, max_num_seqs: int, max_model_len: int, prefill_chunk_size: int, page_size: int
+    ) -> BucketPlan:
+        max_pages = -(-max_model_len // page_size)
+        max_chunk = min(prefill_chunk_size, max_model_len)
+        return cls(
+            decode_seqs=_geometric(1, max_num_seqs, 2),
+            prefill_lens=_geometric(min(32, max_chunk), max_chunk, 4),
+            pages=_geometric(min(16, max_pages), max_pages, 2),
+            page_size=page_size,
+        )
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (num_seqs, q_len, pages) that a step can have."""
+        decode = [(s, 1, p) for s in self.decode_seqs for p in self.pages]
+        prefill = [
+            (1, q, p)
+            for q in self.prefill_lens
+            for p in self.pages
+            if p * self.page_size >= min(q, self.pages[-1] * self.page_size)
+        ]
+        return decode + prefill

@@ -1,0 +1,89 @@
+"""Compose an engine from an ``EngineConfig``: resolve the model, load it, size the cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from models.registry import GGUF_ARCHITECTURES, get_model_spec
+from pallas_kernels.paged_attention import KVCache, kv_cache_shape
+from runtime.buckets import BucketPlan
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.gguf_loader import Checkpoint, load_gguf_checkpoint
+from runtime.hf_loader import load_hf_checkpoint
+from runtime.model_runner import ModelRunner
+from runtime.page_allocator import PageAllocator
+from runtime.scheduler import Scheduler
+from runtime.sources import ModelFiles, resolve_model_source
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(cache_dir: Path) -> None:
+    """Persist compiled executables so a second start skips XLA compilation."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        # XLA:CPU has no fast bf16 matmul path; accelerators prefer bf16.
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
+def load_checkpoint(files: ModelFiles) -> tuple[Checkpoint, Tokenizer]:
+    if files.kind == "gguf":
+        return load_gguf_checkpoint(files.path), Tokenizer.from_gguf(files.path)
+    return load_hf_checkpoint(files.path), Tokenizer.from_pretrained_dir(files.path)
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
+    files = resolve_model_source(config.model_id, config.weight_file)
+    checkpoint, tokenizer = load_checkpoint(files)
+    arch = (checkpoint.config.get("architectures") or [None])[0]
+    spec = get_model_spec(GGUF_ARCHITECTURES.get(arch, arch))
+    model_config = spec.config_from_hf(checkpoint.config)
+    dtype = resolve_dtype(config.dtype)
+    weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
+
+    page_bytes = (
+        2 * model_config.num_layers * config.page_size * model_config.num_kv_heads
+        * model_config.head_dim * dtype.itemsize
+    )
+    num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
+    capacity = num_pages * config.page_size
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
+    if max_model_len < 16:
+        raise ValueError(
+            f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
+        )
+    logger.info(
+        "KV cache: %d pages of %d tokens (%.0f MB), max_model_len %d",
+        num_pages, config.page_size, num_pages * page_bytes / 2**20, max_model_len,
+    )
+    shape = kv_cache_shape(
+        model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,
+        model_config.head_dim,
+    )
+    plan = BucketPlan.build(
+        config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
+    )
+    runner = ModelRunner(spec, model_config, weights, KVCache.zeros(shape, dtype), plan)
+    scheduler = Scheduler(
+        PageAllocator(num_pages, config.page_size),
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_chunk_size=config.prefill_chunk_size,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    name = config.served_model_name or files.name
+    return Engine(runner, scheduler, tokenizer, name, max_model_len)

@@ -1,0 +1,191 @@
+"""The engine: a loop thread that steps the scheduler and the model runner, and request streams.
+
+1. ``generate`` validates the prompt, wraps it in a ``Sequence`` and posts it to the loop thread's
+   inbox; it returns an async iterator bound to the caller's event loop.
+2. The loop thread drains the inbox (new sequences, aborts), then runs ``step``: the scheduler picks
+   the work, the runner pads it to a bucket and calls the jitted step, the scheduler applies the
+   sampled tokens (stops, finishes, frees pages).
+3. Each changed sequence's new token goes to its stream with ``call_soon_threadsafe``; the iterator
+   detokenizes incrementally and yields ``GenerationDelta``s. Leaving the iterator early aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.model_runner import ModelRunner
+from runtime.page_allocator import PageAllocator
+from runtime.request import FinishReason, GenerationDelta, SamplingParams, StepOutput
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StepOutput]
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread stopped; no request can be served."""
+
+
+class Engine:
+    """Implements ``runtime.interface.EngineClient`` over a scheduler and a model runner."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._arrivals = 0
+        self._error: BaseException | None = None
+        self.num_steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        seconds = self.runner.warmup()
+        logger.info("compiled %d step shapes in %.1fs", len(self.runner.plan.shapes()), seconds)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # -- requests ----------------------------------------------------------------------------
+    def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Validate now (``ValueError`` at call time), then stream the request's deltas."""
+        self._validate(prompt_token_ids, sampling)
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        seq = Sequence(
+            request_id, list(prompt_token_ids), sampling, random.getrandbits(32), self._next_arrival()
+        )
+        return self._stream(seq)
+
+    def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        requested = len(prompt) + sampling.max_tokens
+        if requested > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {requested} tokens ({len(prompt)} in the messages, "
+                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+
+    def _next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[seq.request_id] = stream
+        self._post("add", seq)
+        decoder = self.tokenizer.incremental_decoder()
+        num_output = 0
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                num_output += len(out.token_ids)
+                finished = out.finish_reason is not None
+                yield GenerationDelta(
+                    token_ids=tuple(out.token_ids),
+                    text=decoder.push(out.token_ids),
+                    num_prompt_tokens=len(seq.prompt_ids),
+                    num_output_tokens=num_output,
+                    finish_reason=out.finish_reason,
+                )
+        finally:
+            if not finished:
+                self._post("abort", seq.request_id)
+
+    def _post(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.scheduler.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self.step()
+        except BaseException as e:  # the loop must report any death to every waiting client
+            logger.exception("engine loop died")
+            self._error = e
+        finally:
+            self._drain_inbox()
+            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+                self.scheduler.abort(seq.request_id)
+            for request_id in list(self._streams):
+                self._send(request_id, StepOutput([], FinishReason.ABORT))
+
+    def step(self) -> None:
+        """One engine step: schedule, run the jitted step, apply and publish the results."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        sampled = self.runner.run(batch)
+        for seq in self.scheduler.update(batch, sampled):
+            self._send(seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason))
+        self.num_steps += 1
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(payload)
+            else:
+                self.scheduler.abort(payload)
+                self._streams.pop(payload, None)
+
+    def _send(self, request_id: str, out: StepOutput) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if out.finish_reason is not None:
+            del self._streams[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+

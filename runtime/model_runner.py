@@ -1,0 +1,122 @@
+"""Turns a scheduled batch into one call of the jitted step, padded to a compiled bucket.
+
+The step (model forward + on-device sampling) is one ``jax.jit`` function; the KV cache is donated
+to it and comes back updated in place. Every bucket shape is compiled in ``warmup`` so serving
+never compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from models.batch import StepBatch
+from models.registry import ModelSpec
+from pallas_kernels.paged_attention import KVCache
+from runtime.buckets import BucketPlan, pick
+from runtime.sampler import SamplingMetadata, sample
+from runtime.scheduler import ScheduledBatch, StepKind
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache on device and runs steps."""
+
+    def __init__(
+        self, spec: ModelSpec, config: Any, weights: Any, cache: KVCache, plan: BucketPlan
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.cache = cache
+        self.plan = plan
+        self._step = jax.jit(functools.partial(_step, spec.forward, config), donate_argnums=(1,))
+
+    def warmup(self) -> float:
+        """Compile every bucket (progress bar on stderr); returns the seconds it took."""
+        t0 = time.perf_counter()
+        for num_seqs, q_len, pages in tqdm(self.plan.shapes(), desc="Compiling", unit="shape"):
+            batch, meta = _empty_inputs(num_seqs, q_len, pages)
+            tokens, self.cache = self._step(self.weights, self.cache, batch, meta)
+        jax.block_until_ready(self.cache)
+        return time.perf_counter() - t0
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; return the sampled token of every scheduled sequence, in order."""
+        step_batch, meta = self._prepare(batch)
+        tokens, self.cache = self._step(self.weights, self.cache, step_batch, meta)
+        return np.asarray(tokens)[: len(batch.items)].tolist()
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
+        items = batch.items
+        ps = self.plan.page_size
+        if batch.kind is StepKind.DECODE:
+            num_seqs, q_len = pick(self.plan.decode_seqs, len(items)), 1
+        else:
+            num_seqs, q_len = 1, pick(self.plan.prefill_lens, items[0].length)
+        pages = pick(self.plan.pages, max(-(-(i.start + i.length) // ps) for i in items))
+        tokens = np.zeros((num_seqs, q_len), np.int32)
+        positions = np.zeros((num_seqs, q_len), np.int32)
+        q_lens = np.zeros(num_seqs, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        page_indices = np.zeros((num_seqs, pages), np.int32)
+        temperature = np.zeros(num_seqs, np.float32)
+        top_k = np.zeros(num_seqs, np.int32)
+        top_p = np.ones(num_seqs, np.float32)
+        seeds = np.zeros(num_seqs, np.uint32)
+        output_index = np.zeros(num_seqs, np.int32)
+        for row, item in enumerate(items):
+            seq, end = item.seq, item.start + item.length
+            tokens[row, : item.length] = seq.token_slice(item.start, end)
+            positions[row, : item.length] = np.arange(item.start, end)
+            q_lens[row], kv_lens[row] = item.length, end
+            page_indices[row, : len(seq.pages)] = seq.pages
+            sp = seq.sampling
+            temperature[row], top_k[row], top_p[row] = sp.temperature, sp.top_k, sp.top_p
+            seeds[row], output_index[row] = seq.seed, len(seq.output_ids)
+        step_batch = StepBatch(
+            tokens=jnp.asarray(tokens),
+            positions=jnp.asarray(positions),
+            q_lens=jnp.asarray(q_lens),
+            kv_lens=jnp.asarray(kv_lens),
+            page_indices=jnp.asarray(page_indices),
+        )
+        meta = SamplingMetadata(
+            temperature=jnp.asarray(temperature),
+            top_k=jnp.asarray(top_k),
+            top_p=jnp.asarray(top_p),
+            seeds=jnp.asarray(seeds),
+            output_index=jnp.asarray(output_index),
+        )
+        return step_batch, meta
+
+
+def _step(
+    forward: Any, config: Any, weights: Any, cache: KVCache, batch: StepBatch, meta: SamplingMetadata
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward(config, weights, cache, batch)
+    return sample(logits, meta), cache
+
+
+def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, SamplingMetadata]:
+    """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
+    zeros = functools.partial(np.zeros, dtype=np.int32)
+    batch = StepBatch(
+        tokens=jnp.asarray(zeros((num_seqs, q_len))),
+        positions=jnp.asarray(zeros((num_seqs, q_len))),
+        q_lens=jnp.asarray(zeros(num_seqs)),
+        kv_lens=jnp.asarray(zeros(num_seqs)),
+        page_indices=jnp.asarray(zeros((num_seqs, pages))),
+    )
+    meta = SamplingMetadata(
+        temperature=jnp.zeros(num_seqs, jnp.float32),
+        top_k=jnp.zeros(num_seqs, jnp.int32),
+        top_p=jnp.ones(num_seqs, jnp.float32),
+        seeds=jnp.zeros(num_seqs, jnp.uint32),
+        output_index=jnp.zeros(num_seqs, jnp.int32),
+    )
+    return batch, meta

@@ -1,0 +1,180 @@
+"""Continuous batching: which sequences run in the next step, and what their results change.
+
+Sequences join the running set between steps and leave it when they finish. A step is either a
+prefill chunk of one sequence (at most ``prefill_chunk_size`` tokens) or one decode token for every
+running sequence; when both kinds of work are waiting they alternate, so a long prompt delays
+running streams by at most one chunk at a time. When a decode needs a page and none is free, the
+newest running sequence is preempted: its pages are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from runtime.page_allocator import PageAllocator
+from runtime.request import FinishReason
+from runtime.sequence import Sequence, SequenceStatus
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """Run tokens ``[start, start + length)`` of ``seq`` in this step."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """True when this chunk is the sequence's last pending token: its output is sampled."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    kind: StepKind
+    items: tuple[ScheduledSeq, ...]
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and, through the allocator, their pages."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefill_chunk_size: int,
+        eos_token_ids: Iterable[int],
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.prefill_chunk_size = prefill_chunk_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_kind: StepKind | None = None
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a sequence wherever it is and free its pages."""
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, FinishReason.ABORT)
+                return seq
+        return None
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's work, allocating the pages it writes; None when idle."""
+        prefill = self._next_prefill()
+        decodes = [s for s in self.running if s.num_pending == 1]
+        if prefill is not None and (not decodes or self._last_kind is not StepKind.PREFILL):
+            self._last_kind = StepKind.PREFILL
+            return ScheduledBatch(StepKind.PREFILL, (prefill,))
+        if not decodes:
+            return None
+        decodes = self._reserve_decode_pages(decodes)
+        self._last_kind = StepKind.DECODE
+        return ScheduledBatch(
+            StepKind.DECODE, tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
+        )
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Apply one step's sampled tokens; return the sequences that gained a token or finished."""
+        changed = []
+        for item, token in zip(batch.items, sampled, strict=True):
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed = item.start + item.length
+            if not item.reaches_end:
+                continue
+            seq.output_ids.append(int(token))
+            reason = self._finish_reason(seq, int(token))
+            if reason is not None:
+                self._finish(seq, reason)
+            changed.append(seq)
+        return changed
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
+
+    def _next_prefill(self) -> ScheduledSeq | None:
+        """The running sequence mid-prefill, else the next waiting one if it fits now."""
+        seq = next((s for s in self.running if s.num_pending > 1), None)
+        if seq is None:
+            if not self.waiting or len(self.running) >= self.max_num_seqs:
+                return None
+            seq = self.waiting[0]
+        length = min(seq.num_pending, self.prefill_chunk_size)
+        needed = self._pages_needed(seq, seq.num_computed + length)
+        if not self.allocator.can_allocate(needed):
+            return None
+        seq.pages += self.allocator.allocate(needed)
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledSeq(seq, seq.num_computed, length)
+
+    def _reserve_decode_pages(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Give each decoding sequence room for one more token, preempting the newest if needed."""
+        kept = []
+        for seq in sorted(decodes, key=lambda s: s.arrival):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below to make room for an older one
+            needed = self._pages_needed(seq, seq.num_tokens)
+            while not self.allocator.can_allocate(needed):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                seq.pages += self.allocator.allocate(needed)
+                kept.append(seq)
+        return kept
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's pages; it waits at the front and is recomputed from scratch."""
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,50 @@
+"""One generation in flight: its tokens, how many are already in the KV cache, and its pages."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from runtime.request import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids are ``prompt_ids + output_ids``; the first ``num_computed`` have their K/V cached.
+
+    A sequence with exactly one uncached token can join a decode step; more than one needs prefill
+    (a new prompt, or a preempted sequence being recomputed).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V still have to be computed."""
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if stop <= n_prompt:
+            return self.prompt_ids[start:stop]
+        return (self.prompt_ids + self.output_ids)[start:stop]

@@ -1,0 +1,129 @@
+from runtime.page_allocator import PageAllocator
+from runtime.request import FinishReason, SamplingParams
+from runtime.scheduler import Scheduler, StepKind
+from runtime.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_pages=16, page_size=4, max_num_seqs=4, chunk=8, max_model_len=64):
+    alloc = PageAllocator(num_pages, page_size)
+    return Scheduler(alloc, max_num_seqs, max_model_len, chunk, [EOS]), alloc
+
+
+_arrival = iter(range(10**6))
+
+
+def seq(prompt_len, max_tokens=4, rid=None, **kw):
+    n = next(_arrival)
+    return Sequence(
+        rid or f"r{n}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw), 0, n
+    )
+
+
+def run(sched, batch, token=7):
+    return sched.update(batch, [token] * len(batch.items))
+
+
+def test_admission_chunking_and_finishing():
+    sched, alloc = make(chunk=8)
+    s = seq(20, max_tokens=2)
+    sched.add(s)
+    b = sched.schedule()
+    assert b.kind is StepKind.PREFILL and (b.items[0].start, b.items[0].length) == (0, 8)
+    assert len(s.pages) == 2 and s.status is SequenceStatus.RUNNING
+    assert run(sched, b) == [] and s.output_ids == []  # a partial chunk samples nothing
+    b = sched.schedule()
+    assert (b.items[0].start, b.items[0].length) == (8, 8)
+    run(sched, b)
+    b = sched.schedule()
+    assert (b.items[0].start, b.items[0].length) == (16, 4) and b.items[0].reaches_end
+    assert run(sched, b) == [s] and s.output_ids == [7]
+    b = sched.schedule()
+    assert b.kind is StepKind.DECODE and b.items[0].start == 20
+    run(sched, b)
+    assert s.status is SequenceStatus.FINISHED and s.finish_reason is FinishReason.LENGTH
+    assert alloc.num_free == alloc.num_pages and not sched.has_work()
+
+
+def test_eos_and_stop_tokens_finish_and_ignore_eos_does_not():
+    sched, alloc = make()
+    a, b, c = seq(3), seq(3, stop_token_ids=(9,)), seq(3, ignore_eos=True)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    run(sched, batch, token=5)  # a's prefill; afterwards prefills and decodes alternate
+    run(sched, sched.schedule(), token=5)  # a decodes
+    run(sched, sched.schedule(), token=5)  # b's prefill
+    run(sched, sched.schedule(), token=5)  # a and b decode
+    run(sched, sched.schedule(), token=5)  # c's prefill
+    batch = sched.schedule()
+    assert batch.kind is StepKind.DECODE and len(batch.items) == 3
+    sched.update(batch, [EOS, 9, EOS])
+    assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.STOP
+    assert c.status is SequenceStatus.RUNNING and c.output_ids == [5, EOS]
+    assert a.output_ids == [5, 5, 5, EOS] and b.output_ids == [5, 5, 9]
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched, _ = make(max_num_seqs=2)
+    seqs = [seq(2, max_tokens=50) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(6):
+        b = sched.schedule()
+        run(sched, b)
+        assert len(sched.running) <= 2
+    assert seqs[2].status is SequenceStatus.WAITING
+
+
+def test_prefill_and_decode_alternate():
+    sched, _ = make(chunk=4)
+    first = seq(2, max_tokens=10)
+    sched.add(first)
+    run(sched, sched.schedule())
+    sched.add(seq(12))
+    kinds = []
+    for _ in range(4):
+        b = sched.schedule()
+        kinds.append(b.kind)
+        run(sched, b)
+    assert kinds == [StepKind.DECODE, StepKind.PREFILL, StepKind.DECODE, StepKind.PREFILL]
+
+
+def test_abort_frees_pages_wherever_the_sequence_is():
+    sched, alloc = make()
+    running, waiting = seq(5, rid="run"), seq(5, rid="wait")
+    sched.add(running)
+    run(sched, sched.schedule())
+    sched.add(waiting)
+    assert sched.abort("run") is running and running.finish_reason is FinishReason.ABORT
+    assert sched.abort("wait") is waiting
+    assert alloc.num_free == alloc.num_pages and not sched.has_work()
+    assert sched.abort("nope") is None
+
+
+def test_preemption_when_pages_run_out_recomputes_the_newest():
+    sched, alloc = make(num_pages=4, page_size=4, chunk=16)
+    old, new = seq(4, max_tokens=20), seq(4, max_tokens=20)
+    for s in (old, new):
+        sched.add(s)
+    run(sched, sched.schedule())  # old: prefill, one page
+    run(sched, sched.schedule())  # old: decode at position 4 takes a second page
+    run(sched, sched.schedule())  # new: prefill, one page
+    run(sched, sched.schedule())  # both decode; new takes its second page: the cache is full
+    assert alloc.num_free == 0
+XX
+        b = sched.schedule()
+        assert len(b.items) == 2
+        run(sched, b)
+    # old needs a third page: new is preempted and its pages come back.
+    b = sched.schedule()
+    assert b.kind is StepKind.DECODE and [i.seq for i in b.items] == [old]
+    assert new.status is SequenceStatus.WAITING and new.num_computed == 0 and new.pages == []
+    assert sched.waiting[0] is new and sched.num_preemptions == 1
+    run(sched, b)
+    generated = len(new.output_ids)
+    sched.abort(old.request_id)
+    b = sched.schedule()  # the preempted sequence recomputes prompt + outputs in one prefill
+    assert b.kind is StepKind.PREFILL and b.items[0].length == 4 + generated
