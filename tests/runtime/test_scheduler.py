@@ -113,7 +113,7 @@ def test_preemption_when_pages_run_out_recomputes_the_newest():
     run(sched, sched.schedule())  # new: prefill, one page
     run(sched, sched.schedule())  # both decode; new takes its second page: the cache is full
     assert alloc.num_free == 0
-XX
+    while len(old.pages) * 4 >= old.num_tokens:  # until old's next token needs a third page
         b = sched.schedule()
         assert len(b.items) == 2
         run(sched, b)
