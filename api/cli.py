@@ -1,0 +1,255 @@
+"""``runtime-serve``: build an engine from command-line flags and serve it over HTTP.
+
+1. Parse the flags into an ``EngineConfig`` (bad values: a one-line ``runtime-serve: error: ...``
+   and exit status 2, before anything heavy is imported).
+2. Build the engine (resolve and load the model; errors: one line, exit status 1).
+3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan starts the engine (compilation and
+   warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
+   is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from runtime.config import DEFAULT_MODEL_ID, DTYPES, EngineConfig
+
+if TYPE_CHECKING:
+    from runtime.interface import EngineClient
+
+PROG = "runtime-serve"
+GRACEFUL_SHUTDOWN_S = 5
+logger = logging.getLogger(__name__)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
+    return value
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad flag as one line, ``runtime-serve: error: ...``, and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_model_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--model-id",
+        "--m",
+        default=DEFAULT_MODEL_ID,
+        help="a packaged alias (smollm2-135m-instruct, gemma3-270m), a local HF-layout folder, "
+        "a local .gguf file, or a Hugging Face repo id (default: %(default)s)",
+    )
+    group.add_argument(
+        "--weight-file",
+        "--f",
+        default=None,
+        help="which weight file to use inside the model folder or repo (e.g. one .gguf of many)",
+    )
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weight/activation dtype; auto: float32 on CPU, bfloat16 on accelerators "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists; default: derived from --model-id",
+    )
+
+
+def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add(
+        "--max-num-seqs",
+        type=_int_at_least(1),
+        default=16,
+        help="most sequences per batch (default: %(default)s)",
+    )
+    add(
+        "--max-model-len",
+        type=_int_at_least(16),
+        default=None,
+        help="most tokens (prompt + completion) per sequence; default: the model's context "
+        "length, capped by what the KV cache holds",
+    )
+    add(
+        "--kvcache-mem",
+        "--mem",
+        dest="kvcache_mem_mb",
+        type=_int_at_least(1),
+        default=1024,
+        metavar="MB",
+        help="memory for the paged KV cache, all layers, in MB (default: %(default)s)",
+    )
+    add(
+        "--page-size",
+        type=_int_at_least(1),
+        default=16,
+        help="tokens per KV page, a power of 2 (default: %(default)s)",
+    )
+    add(
+        "--prefill-chunk-size",
+        type=_int_at_least(1),
+        default=8192,
+        help="most prompt tokens one step prefills for one sequence (default: %(default)s)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the engine's sampling random stream (default: %(default)s)",
+    )
+
+
+def _add_server_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    add(
+        "--port",
+        "--p",
+        type=_port,
+        default=2000,
+        help="TCP port; 0 picks a free one (default: %(default)s)",
+    )
+    add(
+        "--log",
+        default=None,
+        metavar="PATH",
+        help="append logs to this file instead of stderr (INFO level either way)",
+    )
+    add(
+        "--mock-engine",
+        action="store_true",
+        help="TESTING AID: serve a deterministic mock engine (no model, no weights) that echoes "
+        "prompts reversed; for API end-to-end tests",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every flag's help states its default."""
+    parser = _OneLineErrorParser(
+        prog=PROG,
+        description="Serve a model through an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+        allow_abbrev=False,
+    )
+    _add_model_flags(parser.add_argument_group("model"))
+    _add_engine_flags(parser.add_argument_group("engine"))
+    _add_server_flags(parser.add_argument_group("server"))
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_id=args.model_id,
+        weight_file=args.weight_file,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kvcache_mem_mb=args.kvcache_mem_mb,
+        page_size=args.page_size,
+        prefill_chunk_size=args.prefill_chunk_size,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+    )
+
+
+def _configure_logging(log_path: str | None) -> None:
+    handler: logging.Handler = (
+        logging.FileHandler(log_path, encoding="utf-8") if log_path else logging.StreamHandler()
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
+    if mock:
+        from runtime.mock_engine import MockEngine
+
+        return MockEngine(
+            model_name=config.served_model_name or config.model_id,
+            max_model_len=config.max_model_len or 2048,
+        )
+    from runtime.builder import build_engine
+
+    return build_engine(config)
+
+
+def _serve(engine: EngineClient, host: str, port: int) -> bool:
+    """Run uvicorn until interrupted; False when the app failed to start (engine startup error)."""
+    import uvicorn
+
+    from api.app import create_app
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
+                line = f"Serving {engine.model_name} on http://{bound_host}:{bound_port}/v1"
+                logger.info(line)
+                print(line, flush=True)
+
+    config = uvicorn.Config(
+        create_app(engine),
+        host=host,
+        port=port,
+        log_level="info",
+        log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = AnnouncingServer(config)
+    server.run()
+    return server.started
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``runtime-serve``; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+    try:
+        _configure_logging(args.log)
+    except OSError as exc:
+        parser.error(f"cannot open log file {args.log}: {exc}")
+    from runtime.sources import ModelSourceError
+
+    try:
+        engine = _build_engine(config, args.mock_engine)
+    except (ModelSourceError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0 if _serve(engine, args.host, args.port) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

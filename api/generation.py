@@ -1,0 +1,153 @@
+"""One request's engine stream as text: submission, stop strings, collection, and closing.
+
+1. ``start_generation`` submits the prompt and waits for the first delta, so a prompt the engine
+   rejects (``ValueError``) is still a plain 400, before any streamed byte, and a client that leaves
+   while its request is queued is noticed (``cancel_on_disconnect``).
+2. ``Generation.pieces`` turns deltas into ``TextPiece``s with stop strings applied.
+3. ``Generation.collect`` gathers a whole completion for non-streamed responses.
+4. However iteration ends (finish, stop string, error, disconnect), the engine stream is closed,
+   which aborts an unfinished sequence in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request
+
+from api.disconnect import cancel_on_disconnect
+from api.errors import APIError, bad_request
+from api.protocol import Usage
+from api.stop import StopStringMatcher
+from runtime.interface import EngineClient
+from runtime.request import FinishReason, GenerationDelta, SamplingParams
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """Text produced since the previous piece, and the request's token counts so far."""
+
+    text: str
+    finish_reason: str | None  # "stop" or "length" on the last piece
+    usage: Usage
+
+
+class EngineStreamError(RuntimeError):
+    """The engine's stream ended without a finish reason (an engine bug)."""
+
+
+def _usage(delta: GenerationDelta) -> Usage:
+    return Usage(
+        prompt_tokens=delta.num_prompt_tokens,
+        completion_tokens=delta.num_output_tokens,
+        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+    )
+
+
+def _aborted() -> APIError:
+    return APIError(
+        503, "The request was aborted because the engine is shutting down.", code="engine_aborted"
+    )
+
+
+async def _close(deltas: AsyncIterator[GenerationDelta]) -> None:
+    aclose = getattr(deltas, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class Generation:
+    """A submitted request, positioned after its first delta. Iterate ``pieces`` once."""
+
+    def __init__(
+        self, deltas: AsyncIterator[GenerationDelta], first: GenerationDelta, stop: tuple[str, ...]
+    ) -> None:
+        self._deltas = deltas
+        self._first = first
+        self._stop = stop
+
+    async def aclose(self) -> None:
+        """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
+        await _close(self._deltas)
+
+    async def pieces(self) -> AsyncIterator[TextPiece]:
+        """Yield text as it is generated; the last piece carries the finish reason.
+
+        Raises APIError(503) when the engine aborted the request (shutdown), and
+        EngineStreamError when the stream ends without a finish reason.
+        """
+        matcher = StopStringMatcher(self._stop)
+        delta = self._first
+        try:
+            while True:
+                text = matcher.feed(delta.text)
+                if matcher.stopped:
+                    yield TextPiece(text, FinishReason.STOP.value, _usage(delta))
+                    return
+                if delta.finish_reason is FinishReason.ABORT:
+                    raise _aborted()
+                if delta.finish_reason is not None:
+                    yield TextPiece(
+                        text + matcher.flush(), delta.finish_reason.value, _usage(delta)
+                    )
+                    return
+                if text:
+                    yield TextPiece(text, None, _usage(delta))
+                delta = await self._next()
+        finally:
+            await self.aclose()
+
+    async def _next(self) -> GenerationDelta:
+        try:
+            return await anext(self._deltas)
+        except StopAsyncIteration:
+            raise EngineStreamError("the engine stream ended without a finish reason") from None
+
+    async def collect(self) -> TextPiece:
+        """The whole completion as one piece (text, finish reason, final usage)."""
+        parts: list[str] = []
+        last: TextPiece | None = None
+        async for piece in self.pieces():
+            parts.append(piece.text)
+            last = piece
+        if last is None:  # pieces() always ends with a finish piece or raises
+            raise EngineStreamError("the engine stream produced no output")
+        return TextPiece("".join(parts), last.finish_reason, last.usage)
+
+
+async def start_generation(
+    engine: EngineClient,
+    request: Request[Any, Any, Any],
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    request_id: str,
+    stop: tuple[str, ...],
+) -> Generation:
+    """Submit to the engine and wait for the first delta.
+
+    Raises APIError(400) when the engine rejects the prompt, ClientDisconnectedError when the
+    client leaves first (the engine request is aborted), APIError(503) when the engine is not
+    running or shuts down.
+    """
+    if not engine.healthy():
+        raise APIError(503, "The engine is not running.", code="engine_unhealthy")
+    try:
+        deltas = engine.generate(prompt_ids, sampling, request_id)
+    except ValueError as exc:
+        raise bad_request(str(exc), code="invalid_prompt") from None
+
+    async def first_delta() -> GenerationDelta:
+        return await anext(deltas)
+
+    try:
+        first = await cancel_on_disconnect(request, first_delta())
+    except BaseException as exc:
+        await _close(deltas)
+        if isinstance(exc, ValueError):
+            raise bad_request(str(exc), code="invalid_prompt") from None
+        if isinstance(exc, StopAsyncIteration):
+            raise EngineStreamError("the engine stream ended before its first delta") from None
+        raise
+    return Generation(deltas, first, stop)

@@ -1,0 +1,77 @@
+"""Request prompts to token ids: chat templates for /v1/chat/completions, text or ids for /v1/completions.
+
+Rendering and tokenizing run in a worker thread (``asyncio.to_thread``) so a long prompt or a slow
+template never stalls the event loop that streams other requests' tokens. Template and tokenizer
+``ValueError``s (``ChatTemplateError`` is one) are 400s naming the prompt field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from api.errors import bad_request
+from api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from runtime.interface import TokenizerLike
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest) -> list[int]:
+    """Render the chat template (with the generation prompt) and encode it without BOS/EOS added.
+
+    The template itself supplies the special tokens, so ``add_special_tokens=False`` avoids a
+    doubled BOS.
+    """
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
+        )
+    messages = [_template_message(m) for m in body.messages]
+
+    def render_and_encode() -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        return await asyncio.to_thread(render_and_encode)
+    except ValueError as exc:
+        raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+
+
+async def completion_prompt_ids(tokenizer: TokenizerLike, body: CompletionRequest) -> list[int]:
+    """Text is encoded with special tokens (BOS); a list of ints is used as token ids as-is.
+
+    A list holding several prompts (batched completions) is a 400: send one prompt per request.
+    """
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, int) for p in prompt):
+            if any(p < 0 for p in prompt):  # type: ignore[operator]
+                raise bad_request("Token ids in `prompt` must be >= 0.", param="prompt")
+            return list(prompt)  # type: ignore[arg-type]
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise bad_request(
+                "`prompt` must be a string, a list of token ids, or a list holding one string; "
+                "batched prompts are not supported yet.",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("`prompt` must not be empty.", param="prompt")
+    try:
+        return await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=True)
+    except ValueError as exc:
+        raise bad_request(f"Could not tokenize the prompt: {exc}", param="prompt") from None

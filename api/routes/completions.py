@@ -1,0 +1,82 @@
+"""POST /v1/completions: raw text (or token id) prompts, JSON or SSE response."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request, Response, post
+
+from api.dependencies import EngineDep
+from api.disconnect import cancel_on_disconnect
+from api.generation import start_generation
+from api.prompts import completion_prompt_ids
+from api.protocol import Completion, CompletionChoice, CompletionRequest, Usage
+from api.streaming import sse_response
+from api.validation import (
+    build_sampling,
+    check_model,
+    check_supported,
+    decode_body,
+    resolve_max_tokens,
+)
+
+# OpenAI's legacy completions default, unlike chat, which may use the whole remaining context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class CompletionChunks:
+    """Streamed ``text_completion`` objects for one response."""
+
+    id: str
+    created: int
+    model: str
+
+    def _chunk(self, text: str, finish_reason: str | None = None) -> Completion:
+        choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+        return Completion(self.id, self.created, self.model, [choice])
+
+    def opening(self) -> None:
+        return None
+
+    def text(self, text: str) -> Completion:
+        return self._chunk(text)
+
+    def finish(self, finish_reason: str) -> Completion:
+        return self._chunk("", finish_reason)
+
+    def usage(self, usage: Usage) -> Completion:
+        return Completion(self.id, self.created, self.model, [], usage)
+
+
+@post("/v1/completions", status_code=200)
+async def create_completion(request: Request[Any, Any, Any], engine: EngineDep) -> Response[Any]:
+    """OpenAI (legacy) completions; see ``CompletionRequest`` for the accepted fields.
+
+    ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves.
+    """
+    body = decode_body(await request.body(), CompletionRequest)
+    check_model(body.model, engine.model_name)
+    check_supported(body)
+    prompt_ids = await completion_prompt_ids(engine.tokenizer, body)
+    requested = body.max_tokens
+    if requested is None:
+        requested = min(
+            DEFAULT_COMPLETION_MAX_TOKENS, max(1, engine.max_model_len - len(prompt_ids))
+        )
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), engine.max_model_len, "prompt")
+    sampling = build_sampling(body, max_tokens)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    generation = await start_generation(
+        engine, request, prompt_ids, sampling, request_id, body.stop_strings()
+    )
+    if body.stream:
+        chunks = CompletionChunks(request_id, created, engine.model_name)
+        return sse_response(generation, chunks, body.wants_usage_chunk())
+    result = await cancel_on_disconnect(request, generation.collect())
+    choice = CompletionChoice(0, result.text, result.finish_reason)
+    return Response(Completion(request_id, created, engine.model_name, [choice], result.usage))

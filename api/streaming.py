@@ -1,0 +1,87 @@
+"""Server-sent events for streamed completions, in the framing OpenAI clients parse.
+
+Each event is ``data: <json>\\n\\n`` (Litestar's default separator is ``\\r\\n``; OpenAI and vLLM use
+``\\n``, and some hand-written clients split on ``\\n\\n``), and the stream ends with
+``data: [DONE]``. Once the first byte is sent the status is fixed at 200, so a later error is sent
+as an event holding the usual error envelope, which the openai SDK raises as an ``APIError``.
+
+When the client disconnects, Litestar cancels the task iterating the events. If that task was
+inside the engine stream the cancellation closes it; if it was inside ``send`` the event generator
+is left suspended, so a background task closes it after the response, which closes the engine
+stream and aborts the sequence deterministically rather than whenever it is garbage collected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+import msgspec
+from litestar.background_tasks import BackgroundTask
+from litestar.response import ServerSentEvent, ServerSentEventMessage
+
+from api.errors import APIError
+from api.generation import Generation
+from api.protocol import Usage
+
+logger = logging.getLogger(__name__)
+
+DONE = "[DONE]"
+
+
+class ChunkFactory(Protocol):
+    """Builds one endpoint's chunk objects (chat.completion.chunk or text_completion)."""
+
+    def opening(self) -> msgspec.Struct | None:
+        """The chunk sent before any text (chat: the assistant role), or None."""
+        ...
+
+    def text(self, text: str) -> msgspec.Struct:
+        """A chunk carrying newly generated text."""
+        ...
+
+    def finish(self, finish_reason: str) -> msgspec.Struct:
+        """The chunk carrying the finish reason."""
+        ...
+
+    def usage(self, usage: Usage) -> msgspec.Struct:
+        """The usage chunk (no choices) sent when ``stream_options.include_usage`` is set."""
+        ...
+
+
+def _event(data: msgspec.Struct | str) -> ServerSentEventMessage:
+    text = data if isinstance(data, str) else msgspec.json.encode(data).decode()
+    return ServerSentEventMessage(data=text, sep="\n")
+
+
+async def _events(
+    generation: Generation, chunks: ChunkFactory, include_usage: bool
+) -> AsyncGenerator[ServerSentEventMessage, None]:
+    try:
+        opening = chunks.opening()
+        if opening is not None:
+            yield _event(opening)
+        async for piece in generation.pieces():
+            if piece.text:
+                yield _event(chunks.text(piece.text))
+            if piece.finish_reason is not None:
+                yield _event(chunks.finish(piece.finish_reason))
+                if include_usage:
+                    yield _event(chunks.usage(piece.usage))
+    except APIError as exc:
+        yield _event(exc.body())
+    except Exception as exc:  # the stream is the only channel left to tell the client
+        logger.exception("error while streaming a completion", exc_info=exc)
+        yield _event(APIError(500, "The server had an error while streaming the response.").body())
+    finally:
+        await generation.aclose()
+    yield _event(DONE)
+
+
+def sse_response(
+    generation: Generation, chunks: ChunkFactory, include_usage: bool
+) -> ServerSentEvent:
+    """A ``text/event-stream`` response streaming ``generation`` through ``chunks``."""
+    events = _events(generation, chunks, include_usage)
+    return ServerSentEvent(events, background=BackgroundTask(events.aclose))

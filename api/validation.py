@@ -1,0 +1,142 @@
+"""Request bodies to typed, checked values: decoding, the model name, unsupported fields, sampling.
+
+Everything here raises ``APIError`` (400, or 404 for an unknown model) with ``param`` naming the
+offending field, so no bad request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+
+from api.errors import APIError, bad_request, not_supported
+from api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.request import SamplingParams
+
+T = TypeVar("T")
+
+_LOCATION = re.compile(r"^(?P<text>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
+_NAMED_FIELD = re.compile(r"field `(?P<field>[^`]+)`")
+
+
+def decode_body(body: bytes, body_type: type[T]) -> T:
+    """Decode a JSON body into ``body_type``; malformed JSON or a schema violation is a 400."""
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as exc:
+        text, param = _split_location(str(exc))
+        raise bad_request(f"Invalid request body: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+
+
+def _split_location(message: str) -> tuple[str, str | None]:
+    """msgspec's "... - at `$.a[0].b`" to ("... at `a[0].b`", "a[0].b"), naming missing fields."""
+    path = ""
+    text = message
+    if match := _LOCATION.match(message):
+        text, path = match["text"], match["path"]
+    if field := _NAMED_FIELD.search(text):  # missing or unknown field: name it, not its parent
+        path = f"{path}.{field['field']}" if path else field["field"]
+    if not path:
+        return text, None
+    return f"{text} (at `{path}`)", path
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """An empty or omitted model means the served one; any other name is a 404."""
+    if requested and requested != served:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist. This server serves `{served}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _is_default(value: Any, *defaults: Any) -> bool:
+    return value is None or any(value == d for d in defaults)
+
+
+_COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: _is_default(v, 1),
+    "seed": lambda v: v is None,
+    "presence_penalty": lambda v: _is_default(v, 0),
+    "frequency_penalty": lambda v: _is_default(v, 0),
+    "logit_bias": lambda v: not v,
+}
+_CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "response_format": lambda v: _is_default(v, {"type": "text"}),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: _is_default(v, "none", "auto"),
+}
+_COMPLETION_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is None,
+    "echo": lambda v: not v,
+    "suffix": lambda v: not v,
+    "best_of": lambda v: _is_default(v, 1),
+}
+
+
+def check_supported(body: SamplingFields) -> None:
+    """400 for a field we declare but cannot honour yet, when it holds a non-default value."""
+    extra = _CHAT_DEFAULTS if isinstance(body, ChatCompletionRequest) else {}
+    if isinstance(body, CompletionRequest):
+        extra = _COMPLETION_DEFAULTS
+    for name, is_default in {**_COMMON_DEFAULTS, **extra}.items():
+        if not is_default(getattr(body, name)):
+            raise not_supported(name)
+
+
+def context_length_error(
+    max_model_len: int, prompt_len: int, completion_len: int, prompt_param: str, param: str
+) -> APIError:
+    """OpenAI's 400 for a prompt plus completion that does not fit the model's context."""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + completion_len} tokens ({prompt_len} in the {prompt_param}, "
+        f"{completion_len} in the completion). Please reduce the length of the {prompt_param} "
+        "or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str
+) -> int:
+    """The completion budget: ``requested``, or all the context the prompt leaves.
+
+    ``prompt_param`` ("messages" or "prompt") is named when the prompt alone leaves no room;
+    ``max_tokens`` is named when only the requested budget does not fit.
+    """
+    if prompt_len + 1 > max_model_len:
+        raise context_length_error(
+            max_model_len, prompt_len, requested or 1, prompt_param, prompt_param
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise context_length_error(max_model_len, prompt_len, requested, prompt_param, "max_tokens")
+    return requested
+
+
+def build_sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams for a checked body (OpenAI defaults: temperature 1, top_p 1)."""
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=field if hasattr(body, field) else None) from None

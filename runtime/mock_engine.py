@@ -1,0 +1,206 @@
+"""A deterministic engine without a model, so the HTTP layer can be tested without weights.
+
+1. ``MockTokenizer`` is byte-level: every UTF-8 byte is one token id (0..255), plus a BOS and an EOS
+   id; its chat template is ChatML-like.
+2. ``MockEngine.generate`` replies with a fixed ``reply`` text, or by default with the prompt's text
+   reversed (for a rendered chat, the last user message reversed), one token per delta with a
+   short ``asyncio.sleep`` between them, then EOS.
+3. It honours ``max_tokens``, ``max_model_len``, ``stop_token_ids`` and ``ignore_eos`` like the real
+   engine, and records every request and every abort (a consumer that stops iterating early) so
+   tests can assert on them from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.request import FinishReason, GenerationDelta, SamplingParams
+
+BOS_ID = 256
+EOS_ID = 257
+VOCAB_SIZE = 258
+_SPECIAL_TEXT = {BOS_ID: "<s>", EOS_ID: "</s>"}
+_USER_TURN = "<|im_start|>user\n"
+_END_TURN = "<|im_end|>"
+
+
+class MockTokenizer:
+    """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, 256 is BOS, 257 is EOS."""
+
+    eos_token_ids: frozenset[int] = frozenset({EOS_ID})
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids; a BOS id is prepended when ``add_special_tokens``."""
+        ids = list(text.encode("utf-8"))
+        return [BOS_ID, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids to text; invalid UTF-8 becomes U+FFFD. Raises ValueError on ids out of range."""
+        out: list[str] = []
+        buf = bytearray()
+        for token_id in token_ids:
+            if not 0 <= token_id < VOCAB_SIZE:
+                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {VOCAB_SIZE})")
+            if token_id < 256:
+                buf.append(token_id)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf.clear()
+            if not skip_special_tokens:
+                out.append(_SPECIAL_TEXT[token_id])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+        parts = []
+        for message in messages:
+            if not isinstance(message.get("content"), str):
+                raise ValueError("mock chat template: every message needs string content")
+            parts.append(f"<|im_start|>{message['role']}\n{message['content']}{_END_TURN}\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+
+@dataclass(frozen=True)
+class MockRequestRecord:
+    """What ``MockEngine.generate`` was called with."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class MockEngine:
+    """An ``EngineClient`` that answers deterministically; see the module docstring.
+
+    ``reply``: the text every request generates (before EOS); ``None`` echoes the prompt's text
+    (a chat's last user message) reversed. ``token_delay_s``: the pause before each delta, so streams interleave and can be
+    interrupted.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "mock-model",
+        max_model_len: int = 2048,
+        reply: str | None = None,
+        token_delay_s: float = 0.001,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if token_delay_s < 0:
+            raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = MockTokenizer()
+        self.reply = reply
+        self.token_delay_s = token_delay_s
+        self.started = False
+        self.requests: list[MockRequestRecord] = []
+        self.aborted: list[str] = []
+        self._unhealthy = False
+        self._stopping = False
+        self._changed = threading.Condition()
+
+    def start(self) -> None:
+        """Mark the engine as serving."""
+        self.started = True
+        self._stopping = False
+
+    def shutdown(self) -> None:
+        """Stop serving; streams still running end with finish_reason ``abort``."""
+        self._stopping = True
+        self.started = False
+
+    def healthy(self) -> bool:
+        """True between ``start`` and ``shutdown`` unless ``mark_unhealthy`` was called."""
+        return self.started and not self._unhealthy
+
+    def mark_unhealthy(self) -> None:
+        """Make ``healthy()`` return False (to test the health route)."""
+        self._unhealthy = True
+
+    def wait_for_aborts(self, count: int, timeout_s: float = 5.0) -> bool:
+        """Block until at least ``count`` requests were aborted; False on timeout. Thread-safe."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.aborted) >= count, timeout_s)
+
+    def _reply_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        if self.reply is not None:
+            return self.tokenizer.encode(self.reply, add_special_tokens=False)
+        prompt_text = self.tokenizer.decode(prompt_token_ids)
+        if _USER_TURN in prompt_text:  # a rendered chat: answer its last user message
+            prompt_text = prompt_text.rsplit(_USER_TURN, 1)[1].split(_END_TURN, 1)[0]
+        return self.tokenizer.encode(prompt_text[::-1], add_special_tokens=False)
+
+    def _validate(self, prompt_token_ids: list[int]) -> None:
+        if not self.started:
+            raise RuntimeError("MockEngine.generate called before start()")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})")
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yield one delta per generated token; see ``EngineClient.generate``.
+
+        Raises ValueError before the first delta when the prompt is empty, too long or holds ids
+        outside the vocabulary. Leaving the iteration early records ``request_id`` in ``aborted``.
+        """
+        self._validate(prompt_token_ids)
+        self.requests.append(MockRequestRecord(request_id, tuple(prompt_token_ids), sampling))
+        num_prompt = len(prompt_token_ids)
+        reply = self._reply_ids(prompt_token_ids)
+        limit = min(sampling.max_tokens, self.max_model_len - num_prompt)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        finished = False
+        try:
+            for step in range(limit):
+                await asyncio.sleep(self.token_delay_s)
+                if self._stopping:
+                    finished = True
+                    yield GenerationDelta((), "", num_prompt, step, FinishReason.ABORT)
+                    return
+                token = _next_token(reply, step, sampling)
+                stops = token == EOS_ID or token in sampling.stop_token_ids
+                text = "" if stops else decoder.decode(bytes([token]))
+                reason = FinishReason.STOP if stops else None
+                if reason is None and step + 1 == limit:
+                    reason = FinishReason.LENGTH
+                finished = reason is not None
+                yield GenerationDelta((token,), text, num_prompt, step + 1, reason)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._record_abort(request_id)
+
+    def _record_abort(self, request_id: str) -> None:
+        with self._changed:
+            self.aborted.append(request_id)
+            self._changed.notify_all()
+
+
+def _next_token(reply: list[int], step: int, sampling: SamplingParams) -> int:
+    """The reply's ``step``-th token, EOS after it; with ignore_eos the reply repeats instead."""
+    if step < len(reply):
+        return reply[step]
+    if sampling.ignore_eos and reply:
+        return reply[step % len(reply)]
+    return EOS_ID

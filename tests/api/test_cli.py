@@ -1,0 +1,149 @@
+"""``runtime-serve`` (``python -m api.cli``): flag errors, and an end-to-end run with the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from api.cli import build_parser, main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVING_LINE = re.compile(r"Serving (?P<model>\S+) on (?P<url>http://\S+/v1)")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--port", "abc"], "--port"),
+        (["--port", "70000"], "--port"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--page-size", "3"], "page_size"),
+        (["--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_print_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("runtime-serve: error: ") and needle in lines[0]
+
+
+def test_flag_aliases_parse() -> None:
+    args = build_parser().parse_args(["--m", "x", "--f", "w.gguf", "--p", "1", "--mem", "64"])
+    assert (args.model_id, args.weight_file, args.port, args.kvcache_mem_mb) == (
+        "x", "w.gguf", 1, 64,
+    )
+
+
+def test_model_source_error_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("runtime.builder", exc_type=ImportError)
+    status = main(["--model-id", "/no/such/model/dir", "--log", os.devnull])
+    assert status == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("runtime-serve: error: ")
+
+
+@pytest.fixture
+def mock_server() -> Iterator[str]:
+    """``python -m api.cli --mock-engine --port 0``; yields its base URL (``.../v1``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "--mock-engine", "--port", "0", "--served-model-name",
+         "mock"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once the socket listens
+        match = SERVING_LINE.search(line)
+        assert match, f"unexpected first line: {line!r}"
+        assert match["model"] == "mock"
+        yield match["url"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    assert proc.returncode == 0
+
+
+@pytest.mark.e2e
+def test_openai_sdk_against_mock_server(mock_server: str) -> None:
+    client = openai.OpenAI(base_url=mock_server, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["mock"]
+
+    reply = client.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "hello"}], max_tokens=20
+    )
+    assert reply.choices[0].message.content == "olleh"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(
+        model="mock",
+        messages=[{"role": "user", "content": "stream me"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "em maerts"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+    completion = client.completions.create(model="mock", prompt="abc", max_tokens=2)
+    assert completion.choices[0].text == "cb"
+    assert completion.choices[0].finish_reason == "length"
+
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(
+            model="mock", messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert excinfo.value.status_code == 400
+    assert excinfo.value.param == "temperature"
+    assert excinfo.value.type == "invalid_request_error"
+
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert not_found.value.code == "model_not_found"
+
+
+@pytest.mark.e2e
+def test_concurrent_requests_against_mock_server(mock_server: str) -> None:
+    async def both() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=mock_server, api_key="unused", max_retries=0)
+
+        async def ask(text: str) -> str:
+            stream = await client.chat.completions.create(
+                model="mock", messages=[{"role": "user", "content": text}], stream=True
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(ask("first request"), ask("second one"))
+        finally:
+            await client.close()
+
+    assert asyncio.run(both()) == ["tseuqer tsrif", "eno dnoces"]

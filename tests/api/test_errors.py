@@ -1,0 +1,188 @@
+"""Every client error is a 4xx OpenAI envelope naming the field; never a 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+
+from runtime.mock_engine import MockEngine
+from tests.api.conftest import MAX_MODEL_LEN, assert_error
+
+Client = TestClient[Any]
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def chat(client: Client, **fields: Any) -> Any:
+    return client.post("/v1/chat/completions", json={"messages": HELLO, **fields})
+
+
+@pytest.mark.parametrize("body", [b"{", b"", b"not json", b"\xff\xfe", b'{"messages": [}'])
+def test_malformed_json_is_400(client: Client, body: bytes) -> None:
+    response = client.post("/v1/chat/completions", content=body)
+    error = assert_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+
+
+def test_missing_messages_names_the_param(client: Client) -> None:
+    assert_error(client.post("/v1/chat/completions", json={"model": "x"}), 400, param="messages")
+    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
+    assert_error(client.post("/v1/completions", json={}), 400, param="prompt")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"frobnicate": True}, "frobnicate"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_param(
+    client: Client, fields: dict[str, Any], param: str
+) -> None:
+    assert_error(chat(client, **fields), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"seed": 1}, "seed"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_unsupported_fields_are_400_not_supported_yet(
+    client: Client, fields: dict[str, Any], param: str
+) -> None:
+    error = assert_error(chat(client, **fields), 400, param=param, code="unsupported_parameter")
+    assert "not supported yet" in error["message"]
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted(client: Client) -> None:
+    defaults = {
+        "n": 1,
+        "seed": None,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logprobs": False,
+        "tools": [],
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+    }
+    assert chat(client, **defaults).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"suffix": "x"}, "suffix"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, "b"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_bad_completion_fields(client: Client, fields: dict[str, Any], param: str) -> None:
+    body = {"prompt": "hi", **fields}
+    assert_error(client.post("/v1/completions", json=body), 400, param=param)
+
+
+def test_token_id_outside_the_vocabulary_is_400(client: Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": [1, 99999]})
+    assert_error(response, 400, code="invalid_prompt")
+
+
+def test_unknown_model_is_404(client: Client) -> None:
+    error = assert_error(chat(client, model="gpt-4"), 404, param="model", code="model_not_found")
+    assert "gpt-4" in error["message"]
+    assert_error(client.post("/v1/completions", json={"prompt": "a", "model": "x"}), 404)
+
+
+def test_prompt_longer_than_the_context_is_400(client: Client) -> None:
+    long_text = "x" * (MAX_MODEL_LEN + 10)
+    error = assert_error(
+        chat(client, messages=[{"role": "user", "content": long_text}]),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    )
+    assert error["message"].startswith(
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested"
+    )
+    response = client.post("/v1/completions", json={"prompt": long_text})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded")
+
+
+def test_max_tokens_beyond_the_context_is_400(client: Client) -> None:
+    error = assert_error(
+        chat(client, max_tokens=MAX_MODEL_LEN), 400, param="max_tokens", code="context_length_exceeded"
+    )
+    assert f"{MAX_MODEL_LEN} in the completion" in error["message"]
+
+
+def test_litestar_errors_use_the_envelope(client: Client) -> None:
+    assert_error(client.get("/nope"), 404)
+    error = assert_error(client.get("/v1/chat/completions"), 405)
+    assert "GET" in error["message"]
+    assert_error(client.post("/v1/models"), 405)
+
+
+def test_oversized_body_is_413(client: Client) -> None:
+    body = b'{"prompt": "' + b"x" * (11 * 2**20) + b'"}'
+    assert_error(client.post("/v1/completions", content=body), 413)
+
+
+def test_bad_chat_template_kwargs_is_400(client: Client) -> None:
+    response = chat(client, chat_template_kwargs={"add_generation_prompt": False})
+    assert_error(response, 400, param="chat_template_kwargs")
+
+
+def test_template_error_is_400(
+    client: Client, engine: MockEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_template(*args: Any, **kwargs: Any) -> str:
+        raise ValueError("template exploded")  # what ChatTemplateError (a ValueError) looks like
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", broken_template)
+    error = assert_error(chat(client), 400, param="messages")
+    assert "template exploded" in error["message"]
+
+
+def test_unexpected_errors_are_a_logged_500_envelope(
+    client: Client, engine: MockEngine, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    def broken_encode(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError("tokenizer bug")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken_encode)
+    error = assert_error(client.post("/v1/completions", json={"prompt": "a"}), 500)
+    assert error["type"] == "internal_server_error"
+    assert "tokenizer bug" not in error["message"]  # internals stay in the log
+    assert "tokenizer bug" in caplog.text
