@@ -248,7 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0 if _serve(engine, args.host, args.port) else 1
+    try:
+        return 0 if _serve(engine, args.host, args.port) else 1
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        return 130
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ class BucketPlan:
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (num_seqs, q_len, pages) that a step can have."""
         decode = [(s, 1, p) for s in self.decode_seqs for p in self.pages]
-        prefill = [
-            (1, q, p)
-            for q in self.prefill_lens
-            for p in self.pages
-            if p * self.page_size >= min(q, self.pages[-1] * self.page_size)
-        ]
+        prefill = []
+        shortest = 1  # the shortest chunk that is padded to bucket q
+        for q in self.prefill_lens:
+            least_pages = pick(self.pages, -(-shortest // self.page_size))
+            prefill += [(1, q, p) for p in self.pages if p >= least_pages]
+            shortest = q + 1
         return decode + prefill

@@ -25,9 +25,9 @@ _GGUF_EOS_KEYS = (
     "tokenizer.ggml.eot_token_id",
     "tokenizer.ggml.eom_token_id",
 )
-# A UTF-8 character spans at most 4 bytes, and every token adds at least one; text still ending
-# in U+FFFD after this many held tokens holds a real replacement character.
-_MAX_HELD_TOKENS = 6
+# Real text reaches a clean character boundary within a few tokens; a stream that does not (a
+# model emitting invalid UTF-8 forever) is released as U+FFFDs so the window stays bounded.
+_MAX_UNCLEAN_TOKENS = 64
 _LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
 
 
@@ -130,24 +130,28 @@ class Tokenizer:
 class IncrementalDecoder:
     """Turns a stream of token ids into text deltas.
 
-    Each push re-decodes only a short window (the last emitted tokens plus the new ones) and
-    returns the text that window gained, so the cost per token stays constant. Text ending in an
-    incomplete UTF-8 sequence (U+FFFD at the end) is held back until later tokens complete it.
-    The concatenation of all pushes and a final ``flush()`` equals ``decode(all ids)``.
+    Each push re-decodes only a short window (the tokens since the last-but-one clean boundary)
+    and returns the text that window gained, so the cost per token stays constant. A trailing
+    U+FFFD (an incomplete UTF-8 sequence) is held back until later tokens complete it. The
+    concatenation of all pushes and a final ``flush()`` equals ``decode(all ids)``.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
-        self._prefix_offset = 0  # the window starts here: context for the tokens after it
-        self._read_offset = 0  # text of the tokens before this has been returned
+        # Tokens before read_offset end on a clean character boundary and have been returned;
+        # the window starts one clean boundary earlier so that decoders which treat the first
+        # token specially (SentencePiece's leading space) see context.
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._held_emitted = 0  # chars returned past read_offset while the window ends unclean
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly completed text (possibly "")."""
         self._ids.extend(token_ids)
-        held = len(self._ids) - self._read_offset
-        return self._advance(force=held >= _MAX_HELD_TOKENS)
+        stuck = len(self._ids) - self._read_offset > _MAX_UNCLEAN_TOKENS
+        return self._advance(force=stuck)
 
     def flush(self) -> str:
         """Return whatever is still held back (call once the sequence has finished)."""
@@ -155,15 +159,17 @@ class IncrementalDecoder:
 
     def _advance(self, force: bool) -> str:
         decode = self._tokenizer.decode
-        window = self._ids[self._prefix_offset :]
-        prefix_text = decode(
-            self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens
-        )
-        new_text = decode(window, self._skip_special_tokens)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not force):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
+        skip = self._skip_special_tokens
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        text = decode(self._ids[self._prefix_offset :], skip)
+        stable = text if force else text.rstrip("\ufffd")
+        delta = stable[len(prefix_text) + self._held_emitted :]
+        if stable == text:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._held_emitted = 0
+        else:
+            self._held_emitted += len(delta)
+        return delta
 
 
 def _default_template(hf: Any) -> str | None:

@@ -42,7 +42,9 @@ def sse_chunks(body: str) -> list[dict[str, Any]]:
     return [json.loads(d) for d in data[:-1]]
 
 
-def assert_error(response: Any, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def assert_error(
+    response: Any, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """Assert an OpenAI error envelope with this status (and param/code when given)."""
     assert response.status_code == status, response.text
     body = response.json()

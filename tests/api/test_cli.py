@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from api.cli import build_parser, main
+from api.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_LINE = re.compile(r"Serving (?P<model>\S+) on (?P<url>http://\S+/v1)")
@@ -53,40 +55,55 @@ def test_bad_flags_print_one_line_and_exit_2(args: list[str], needle: str) -> No
 def test_flag_aliases_parse() -> None:
     args = build_parser().parse_args(["--m", "x", "--f", "w.gguf", "--p", "1", "--mem", "64"])
     assert (args.model_id, args.weight_file, args.port, args.kvcache_mem_mb) == (
-        "x", "w.gguf", 1, 64,
+        "x",
+        "w.gguf",
+        1,
+        64,
     )
 
 
-def test_model_source_error_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("runtime.builder", exc_type=ImportError)
-    status = main(["--model-id", "/no/such/model/dir", "--log", os.devnull])
-    assert status == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("runtime-serve: error: ")
+@pytest.mark.skipif(
+    importlib.util.find_spec("runtime.tokenizer") is None, reason="the engine is not built yet"
+)
+def test_model_source_error_is_one_line_exit_1() -> None:
+    result = run_cli("--model-id", "/no/such/model/dir", "--log", os.devnull)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("runtime-serve: error: "), result.stderr
 
 
 @pytest.fixture
-def mock_server() -> Iterator[str]:
-    """``python -m api.cli --mock-engine --port 0``; yields its base URL (``.../v1``)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "--mock-engine", "--port", "0", "--served-model-name",
-         "mock"],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+def mock_server(tmp_path: Path) -> Iterator[str]:
+    """``python -m api.cli --mock-engine --port 0``; yields its base URL (``.../v1``).
+
+    Stopped with Ctrl-C (SIGINT), which must shut down cleanly: status 130, no traceback.
+    """
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "api.cli", "--mock-engine", "--port", "0"]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [*command, "--served-model-name", "mock"],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed once the socket listens
         match = SERVING_LINE.search(line)
-        assert match, f"unexpected first line: {line!r}"
+        assert match, f"unexpected first line: {line!r}; log: {log.read_text()}"
         assert match["model"] == "mock"
         yield match["url"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-    assert proc.returncode == 0
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, log.read_text()
+    assert "Traceback" not in log.read_text()
+    assert "shutting down engine" in log.read_text()
 
 
 @pytest.mark.e2e

@@ -71,7 +71,9 @@ class FakeConnection:
 async def test_streaming_disconnect_aborts_the_engine_request() -> None:
     engine = slow_engine()
     conn = FakeConnection(LONG)
-    await asyncio.wait_for(create_app(engine)(http_scope("/v1/completions"), conn.receive, conn.send), 5)
+    await asyncio.wait_for(
+        create_app(engine)(http_scope("/v1/completions"), conn.receive, conn.send), 5
+    )
     assert len(engine.aborted) == 1
     assert engine.aborted[0] == engine.requests[0].request_id
     bodies = [m for m in conn.messages if m["type"] == "http.response.body"]
@@ -116,12 +118,14 @@ def served() -> Iterator[tuple[MockEngine, str]]:
 def test_uvicorn_streaming_client_closing_aborts(served: tuple[MockEngine, str]) -> None:
     engine, url = served
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            seen = [line for _, line in zip(range(6), lines, strict=False)]
-            assert seen[0].startswith("data: ")
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = [line for _, line in zip(range(6), lines, strict=False)]
+        assert seen[0].startswith("data: ")
     assert engine.wait_for_aborts(1, timeout_s=5)
     assert engine.aborted == [engine.requests[0].request_id]
 

@@ -142,7 +142,10 @@ def test_prompt_longer_than_the_context_is_400(client: Client) -> None:
 
 def test_max_tokens_beyond_the_context_is_400(client: Client) -> None:
     error = assert_error(
-        chat(client, max_tokens=MAX_MODEL_LEN), 400, param="max_tokens", code="context_length_exceeded"
+        chat(client, max_tokens=MAX_MODEL_LEN),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
     )
     assert f"{MAX_MODEL_LEN} in the completion" in error["message"]
 
@@ -186,3 +189,19 @@ def test_unexpected_errors_are_a_logged_500_envelope(
     assert error["type"] == "internal_server_error"
     assert "tokenizer bug" not in error["message"]  # internals stay in the log
     assert "tokenizer bug" in caplog.text
+
+
+def test_litestar_validation_errors_use_the_envelope() -> None:
+    """Handlers that let Litestar validate parameters get the envelope too, naming the key."""
+    from litestar import Litestar, get
+
+    from api.errors import exception_handlers
+
+    @get("/count", sync_to_thread=False)
+    def count(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    app = Litestar([count], exception_handlers=exception_handlers(), logging_config=None)
+    with TestClient(app) as test_client:
+        assert test_client.get("/count?n=3").json() == {"n": 3}
+        assert_error(test_client.get("/count?n=abc"), 400, param="n")

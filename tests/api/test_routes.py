@@ -147,7 +147,12 @@ def test_completions_token_ids_and_single_text_list(client: Client) -> None:
     ids = client.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 5}).json()
     assert ids["choices"][0]["text"] == "ih"
     one = client.post("/v1/completions", json={"prompt": ["xy"], "max_tokens": 1}).json()
-    assert one["choices"][0] == {"index": 0, "text": "y", "finish_reason": "length", "logprobs": None}
+    assert one["choices"][0] == {
+        "index": 0,
+        "text": "y",
+        "finish_reason": "length",
+        "logprobs": None,
+    }
 
 
 def test_completions_streaming(client: Client) -> None:

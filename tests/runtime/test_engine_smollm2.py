@@ -70,8 +70,9 @@ def test_prompt_ids_match_hf_chat_template(engine, hf):
     _, tok, _ = hf
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
-        expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+        expected = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         assert chat_ids(engine, prompt) == list(expected)
 
 

@@ -77,6 +77,11 @@ def test_invalid_utf8_is_released(byte_tokenizer: Tokenizer) -> None:
     decoder = byte_tokenizer.incremental_decoder()
     assert decoder.push([0xE4]) == ""
     assert decoder.flush() == "\ufffd"
+    # A stream that never becomes valid UTF-8 is released rather than re-decoded forever.
+    decoder = byte_tokenizer.incremental_decoder()
+    released = "".join(decoder.push([0xFF]) for _ in range(200))
+    assert 0 < len(released) <= 200 and set(released) == {"\ufffd"}
+    assert released + decoder.flush() == "\ufffd" * 200
 
 
 def test_decode_rejects_ids_outside_vocab(byte_tokenizer: Tokenizer) -> None:
