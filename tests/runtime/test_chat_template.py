@@ -40,6 +40,10 @@ def test_hf_environment_features() -> None:
     ns = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
     assert render(ns, USER * 3) == "3"
     assert len(render("{{ strftime_now('%Y-%m-%d') }}")) == 10
+    assert (
+        render("{{ '%05d|%s' % (42, 'a') }}{{ '{:>4}'.format('b') }}{{ dict(a=1).a }}")
+        == "00042|a   b1"
+    )
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
@@ -114,6 +118,13 @@ def test_huge_loops_time_out(template: str, monkeypatch: pytest.MonkeyPatch) -> 
         "{{ 10 ** 100000000 }}",
         "{% set ns = namespace(s='x' * 999999) %}{% set ns.s = ns.s ~ ns.s %}",
         "{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}",
+        "{{ '%999999999s' % 'x' }}",
+        "{{ '%.9999999f' % 1.5 }}",
+        "{{ '%*s' % (999999999, 'x') }}",
+        "{{ '%s' | format('x') ~ '%0999999999d' | format(1) }}",
+        "{{ '{:>999999999}'.format('x') }}",
+        "{{ '{0:{1}}'.format('x', 999999999) }}",
+        "{{ lipsum(999999) }}",
     ],
 )
 def test_oversized_output_or_values_error(template: str) -> None:
