@@ -86,4 +86,4 @@ def build_engine(config: EngineConfig) -> Engine:
         eos_token_ids=tokenizer.eos_token_ids,
     )
     name = config.served_model_name or files.name
-    return Engine(runner, scheduler, tokenizer, name, max_model_len)
+    return Engine(runner, scheduler, tokenizer, name, max_model_len, seed=config.seed)

@@ -49,6 +49,7 @@ class Engine:
         tokenizer: Any,
         model_name: str,
         max_model_len: int,
+        seed: int = 0,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -61,6 +62,8 @@ class Engine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._arrivals = 0
+        # Per-request sampling seeds: reproducible for a given --seed and request order.
+        self._seeds = random.Random(seed)
         self._error: BaseException | None = None
         self.num_steps = 0
 
@@ -92,7 +95,7 @@ class Engine:
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
         seq = Sequence(
-            request_id, list(prompt_token_ids), sampling, random.getrandbits(32), self._next_arrival()
+            request_id, list(prompt_token_ids), sampling, self._seeds.getrandbits(32), self._next_arrival()
         )
         return self._stream(seq)
 
