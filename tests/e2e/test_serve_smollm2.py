@@ -57,9 +57,8 @@ def client(server: str) -> openai.OpenAI:
 
 
 def ask(client: openai.OpenAI, messages: list[dict], **kw) -> openai.types.chat.ChatCompletion:
-    return client.chat.completions.create(
-        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=48, **kw
-    )
+    kw = {"temperature": 0, "max_tokens": 48, **kw}
+    return client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, **kw)
 
 
 def test_non_streaming_chat(client: openai.OpenAI) -> None:
