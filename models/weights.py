@@ -51,7 +51,9 @@ def load_weights(
     host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
     filled: dict[str, set[int]] = {name: set() for name in shapes}
     stacked: set[str] = set()
-    for key, array in tqdm(tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False):
+    for key, array in tqdm(
+        tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False
+    ):
         rule, match = _find_rule(rules, key)
         if rule.field is None:
             continue
@@ -78,7 +80,9 @@ def load_weights(
         expected = set(range(shape[0])) if name in stacked else {0}
         missing = expected - filled[name]
         if missing:
-            raise WeightLoadError(f"checkpoint has no value for {name!r} (layers {sorted(missing)})")
+            raise WeightLoadError(
+                f"checkpoint has no value for {name!r} (layers {sorted(missing)})"
+            )
     return {name: jnp.asarray(array) for name, array in host.items()}
 
 

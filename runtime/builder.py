@@ -56,8 +56,12 @@ def build_engine(config: EngineConfig) -> Engine:
     weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
 
     page_bytes = (
-        2 * model_config.num_layers * config.page_size * model_config.num_kv_heads
-        * model_config.head_dim * dtype.itemsize
+        2
+        * model_config.num_layers
+        * config.page_size
+        * model_config.num_kv_heads
+        * model_config.head_dim
+        * dtype.itemsize
     )
     num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
     capacity = num_pages * config.page_size
@@ -68,10 +72,16 @@ def build_engine(config: EngineConfig) -> Engine:
         )
     logger.info(
         "KV cache: %d pages of %d tokens (%.0f MB), max_model_len %d",
-        num_pages, config.page_size, num_pages * page_bytes / 2**20, max_model_len,
+        num_pages,
+        config.page_size,
+        num_pages * page_bytes / 2**20,
+        max_model_len,
     )
     shape = kv_cache_shape(
-        model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,
+        model_config.num_layers,
+        num_pages,
+        config.page_size,
+        model_config.num_kv_heads,
         model_config.head_dim,
     )
     plan = BucketPlan.build(

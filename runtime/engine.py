@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.model_runner import ModelRunner
-from runtime.page_allocator import PageAllocator
 from runtime.request import FinishReason, GenerationDelta, SamplingParams, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
@@ -95,7 +94,11 @@ class Engine:
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
         seq = Sequence(
-            request_id, list(prompt_token_ids), sampling, self._seeds.getrandbits(32), self._next_arrival()
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            self._seeds.getrandbits(32),
+            self._next_arrival(),
         )
         return self._stream(seq)
 
@@ -191,4 +194,3 @@ class Engine:
         if out.finish_reason is not None:
             del self._streams[request_id]
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-

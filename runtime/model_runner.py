@@ -40,7 +40,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for num_seqs, q_len, pages in tqdm(self.plan.shapes(), desc="Compiling", unit="shape"):
             batch, meta = _empty_inputs(num_seqs, q_len, pages)
-            tokens, self.cache = self._step(self.weights, self.cache, batch, meta)
+            _tokens, self.cache = self._step(self.weights, self.cache, batch, meta)
         jax.block_until_ready(self.cache)
         return time.perf_counter() - t0
 
@@ -84,7 +84,12 @@ class ModelRunner:
 
 
 def _step(
-    forward: Any, config: Any, weights: Any, cache: KVCache, batch: StepBatch, meta: SamplingMetadata
+    forward: Any,
+    config: Any,
+    weights: Any,
+    cache: KVCache,
+    batch: StepBatch,
+    meta: SamplingMetadata,
 ) -> tuple[jax.Array, KVCache]:
     logits, cache = forward(config, weights, cache, batch)
     return sample(logits, meta), cache
@@ -94,11 +99,17 @@ def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, Sam
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
     batch = StepBatch(
-        zeros((num_seqs, q_len)), zeros((num_seqs, q_len)), zeros(num_seqs), zeros(num_seqs),
+        zeros((num_seqs, q_len)),
+        zeros((num_seqs, q_len)),
+        zeros(num_seqs),
+        zeros(num_seqs),
         zeros((num_seqs, pages)),
     )
     meta = SamplingMetadata(
-        np.zeros(num_seqs, np.float32), zeros(num_seqs), np.ones(num_seqs, np.float32),
-        np.zeros(num_seqs, np.uint32), zeros(num_seqs),
+        np.zeros(num_seqs, np.float32),
+        zeros(num_seqs),
+        np.ones(num_seqs, np.float32),
+        np.zeros(num_seqs, np.uint32),
+        zeros(num_seqs),
     )
     return batch, meta

@@ -48,7 +48,9 @@ def write_kv(
     num_pages, page_size = k_cache.shape[1], k_cache.shape[2]
     q_len = positions.shape[1]
     logical_page = positions // page_size  # [num_seqs, q_len]
-    page = jnp.take_along_axis(page_indices, jnp.clip(logical_page, 0, page_indices.shape[1] - 1), 1)
+    page = jnp.take_along_axis(
+        page_indices, jnp.clip(logical_page, 0, page_indices.shape[1] - 1), 1
+    )
     valid = jnp.arange(q_len)[None, :] < q_lens[:, None]  # [num_seqs, q_len]
     page = jnp.where(valid, page, num_pages)
     offset = positions % page_size

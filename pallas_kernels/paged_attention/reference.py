@@ -12,7 +12,9 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
 
 
-def _validate(q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens: jax.Array) -> None:
+def _validate(
+    q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens: jax.Array
+) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [num_seqs, q_len, num_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 5:
@@ -25,7 +27,9 @@ def _validate(q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens
     if k_cache.shape[4] != head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, cache has {k_cache.shape[4]}")
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
     if page_indices.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
         raise ValueError(
             f"page_indices {page_indices.shape} and kv_lens {kv_lens.shape} must lead with "

@@ -33,7 +33,11 @@ def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     args = ["--port", "0", "--max-model-len", "512", "--max-num-seqs", "4"]
     with log.open("w") as stderr:
         proc = subprocess.Popen(
-            [*serve_command(), *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True
+            [*serve_command(), *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
         )
     try:
         assert proc.stdout is not None
@@ -80,7 +84,9 @@ def test_streaming_equals_non_streaming_at_temperature_zero(client: openai.OpenA
 
 
 def test_length_limit_reports_length(client: openai.OpenAI) -> None:
-    reply = ask(client, [{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=5)
+    reply = ask(
+        client, [{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=5
+    )
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5
 
 
@@ -103,12 +109,20 @@ def test_malformed_requests_are_400_with_the_envelope(client: openai.OpenAI, ser
     assert err.value.status_code == 400
     assert set(err.value.body) >= {"message", "type", "param", "code"}
     raw = httpx.post(f"{server}/chat/completions", content=b"{not json", timeout=30)
-    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
 
 
 def test_completions_models_and_health(client: openai.OpenAI, server: str) -> None:
     text = client.completions.create(
-        model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=8, temperature=0
+        model="smollm2-135m-instruct",
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
     )
     assert text.choices[0].text and text.usage.completion_tokens <= 8
     assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]

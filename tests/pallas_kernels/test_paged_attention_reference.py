@@ -52,18 +52,36 @@ def test_matches_dense_with_shuffled_pages_and_nan_padding(window, soft_cap):
             kb[s, : lens[s]] = ks[s][start : start + lens[s]]
             vb[s, : lens[s]] = vs[s][start : start + lens[s]]
         k_cache, v_cache = write_kv(
-            k_cache, v_cache, layer, jnp.asarray(kb), jnp.asarray(vb), jnp.asarray(pos),
-            jnp.asarray(lens), jnp.asarray(page_indices),
+            k_cache,
+            v_cache,
+            layer,
+            jnp.asarray(kb),
+            jnp.asarray(vb),
+            jnp.asarray(pos),
+            jnp.asarray(lens),
+            jnp.asarray(page_indices),
         )
-    positions = np.stack([kv_lens[s] - q_lens[s] + np.arange(q_len) for s in range(3)]).astype(np.int32)
+    positions = np.stack([kv_lens[s] - q_lens[s] + np.arange(q_len) for s in range(3)]).astype(
+        np.int32
+    )
     q = rng.standard_normal((3, q_len, HEADS, HEAD_DIM)).astype(np.float32)
     out = paged_attention(
-        jnp.asarray(q), k_cache, v_cache, layer, jnp.asarray(positions), jnp.asarray(page_indices),
-        jnp.asarray(kv_lens), scale=HEAD_DIM**-0.5, sliding_window=window, soft_cap=soft_cap,
+        jnp.asarray(q),
+        k_cache,
+        v_cache,
+        layer,
+        jnp.asarray(positions),
+        jnp.asarray(page_indices),
+        jnp.asarray(kv_lens),
+        scale=HEAD_DIM**-0.5,
+        sliding_window=window,
+        soft_cap=soft_cap,
     )
     out = np.asarray(out)
     for s in range(3):
-        ref = dense_attention(q[s, : q_lens[s]], ks[s], vs[s], positions[s, : q_lens[s]], window, soft_cap)
+        ref = dense_attention(
+            q[s, : q_lens[s]], ks[s], vs[s], positions[s, : q_lens[s]], window, soft_cap
+        )
         np.testing.assert_allclose(out[s, : q_lens[s]], ref, rtol=2e-5, atol=2e-5)
     assert np.isfinite(out).all(), "padding rows and NaN-filled pages must not produce NaN"
     assert np.isnan(np.asarray(k_cache[0])).all(), "writes must touch only the given layer"
@@ -74,8 +92,14 @@ def test_padding_tokens_write_nothing():
     k_cache = jnp.zeros(shape)
     ones = jnp.ones((1, 3, KV_HEADS, HEAD_DIM))
     k_cache, _ = write_kv(
-        k_cache, k_cache, jnp.int32(0), ones, ones, jnp.array([[0, 1, 2]], jnp.int32),
-        jnp.array([1], jnp.int32), jnp.array([[2, 3]], jnp.int32),
+        k_cache,
+        k_cache,
+        jnp.int32(0),
+        ones,
+        ones,
+        jnp.array([[0, 1, 2]], jnp.int32),
+        jnp.array([1], jnp.int32),
+        jnp.array([[2, 3]], jnp.int32),
     )
     written = np.asarray(k_cache[0]).sum(axis=(2, 3))
     assert written[2, 0] == KV_HEADS * HEAD_DIM and written.sum() == KV_HEADS * HEAD_DIM
@@ -86,8 +110,14 @@ def test_rejects_bad_shapes():
     cache = jnp.zeros(shape)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_attention(
-            jnp.zeros((1, 1, 3, HEAD_DIM)), cache, cache, jnp.int32(0), jnp.zeros((1, 1), jnp.int32),
-            jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), scale=1.0,
+            jnp.zeros((1, 1, 3, HEAD_DIM)),
+            cache,
+            cache,
+            jnp.int32(0),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.ones(1, jnp.int32),
+            scale=1.0,
         )
     with pytest.raises(ValueError, match="num_pages must be >= 1"):
         kv_cache_shape(1, 0, PAGE_SIZE, KV_HEADS, HEAD_DIM)
@@ -96,7 +126,16 @@ def test_rejects_bad_shapes():
 def test_jit_compatible():
     shape = kv_cache_shape(1, 4, PAGE_SIZE, KV_HEADS, HEAD_DIM)
     cache = jnp.ones(shape)
-    f = jax.jit(lambda q: paged_attention(
-        q, cache, cache, jnp.int32(0), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 2), jnp.int32),
-        jnp.ones(1, jnp.int32), scale=1.0))
+    f = jax.jit(
+        lambda q: paged_attention(
+            q,
+            cache,
+            cache,
+            jnp.int32(0),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.ones(1, jnp.int32),
+            scale=1.0,
+        )
+    )
     assert f(jnp.ones((1, 1, HEADS, HEAD_DIM))).shape == (1, 1, HEADS, HEAD_DIM)

@@ -3,7 +3,9 @@ import pytest
 from runtime.buckets import BucketPlan, pick
 
 
-@pytest.mark.parametrize("max_num_seqs,max_model_len,chunk", [(8, 512, 8192), (5, 1000, 300), (1, 64, 64)])
+@pytest.mark.parametrize(
+    "max_num_seqs,max_model_len,chunk", [(8, 512, 8192), (5, 1000, 300), (1, 64, 64)]
+)
 def test_every_schedulable_step_has_a_compiled_shape(max_num_seqs, max_model_len, chunk):
     plan = BucketPlan.build(max_num_seqs, max_model_len, chunk, page_size=16)
     shapes = set(plan.shapes())

@@ -58,7 +58,9 @@ def chat_ids(engine, prompt: str) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-async def collect(engine, ids: list[int], request_id: str, max_tokens: int = NEW_TOKENS) -> list[int]:
+async def collect(
+    engine, ids: list[int], request_id: str, max_tokens: int = NEW_TOKENS
+) -> list[int]:
     out: list[int] = []
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     async for delta in engine.generate(ids, sampling, request_id):
@@ -83,9 +85,12 @@ def test_greedy_tokens_and_logits_match_hf(engine, hf):
         ours = asyncio.run(collect(engine, ids, f"seq-{i}"))
         with torch.no_grad():
             ref = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=sorted(engine.tokenizer.eos_token_ids), pad_token_id=0,
-            )[0, len(ids):].tolist()
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=sorted(engine.tokenizer.eos_token_ids),
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         assert ours == ref, f"prompt {i}: {prompt!r}"
 
         # Last-position logits of the prompt, through the same jitted forward the engine uses.
@@ -105,11 +110,21 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     spec = get_model_spec("LlamaForCausalLM")
     n = len(ids)
     pages = -(-n // runner.plan.page_size)
-    cache = KVCache.zeros((runner.config.num_layers, pages, runner.plan.page_size,
-                           runner.config.num_kv_heads, runner.config.head_dim), np.float32)
+    cache = KVCache.zeros(
+        (
+            runner.config.num_layers,
+            pages,
+            runner.plan.page_size,
+            runner.config.num_kv_heads,
+            runner.config.head_dim,
+        ),
+        np.float32,
+    )
     batch = StepBatch(
-        tokens=np.asarray([ids], np.int32), positions=np.arange(n, dtype=np.int32)[None],
-        q_lens=np.asarray([n], np.int32), kv_lens=np.asarray([n], np.int32),
+        tokens=np.asarray([ids], np.int32),
+        positions=np.arange(n, dtype=np.int32)[None],
+        q_lens=np.asarray([n], np.int32),
+        kv_lens=np.asarray([n], np.int32),
         page_indices=np.arange(pages, dtype=np.int32)[::-1].copy()[None],
     )
     logits, _ = jax.jit(spec.forward, static_argnums=0)(runner.config, runner.weights, cache, batch)

@@ -17,7 +17,11 @@ _arrival = iter(range(10**6))
 def seq(prompt_len, max_tokens=4, rid=None, **kw):
     n = next(_arrival)
     return Sequence(
-        rid or f"r{n}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw), 0, n
+        rid or f"r{n}",
+        list(range(1, prompt_len + 1)),
+        SamplingParams(max_tokens=max_tokens, **kw),
+        0,
+        n,
     )
 
 
@@ -47,7 +51,7 @@ def test_admission_chunking_and_finishing():
 
 
 def test_eos_and_stop_tokens_finish_and_ignore_eos_does_not():
-    sched, alloc = make()
+    sched, _alloc = make()
     a, b, c = seq(3), seq(3, stop_token_ids=(9,)), seq(3, ignore_eos=True)
     for s in (a, b, c):
         sched.add(s)
