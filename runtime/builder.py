@@ -18,7 +18,7 @@ from runtime.hf_loader import load_hf_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.page_allocator import PageAllocator
 from runtime.scheduler import Scheduler
-from runtime.sources import ModelFiles, resolve_model_source
+from runtime.sources import ModelFiles, cache_root, resolve_model_source
 from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def load_checkpoint(files: ModelFiles) -> tuple[Checkpoint, Tokenizer]:
 
 def build_engine(config: EngineConfig) -> Engine:
     """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
+    enable_compilation_cache(cache_root() / "xla")
     files = resolve_model_source(config.model_id, config.weight_file)
     checkpoint, tokenizer = load_checkpoint(files)
     arch = (checkpoint.config.get("architectures") or [None])[0]

