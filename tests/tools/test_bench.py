@@ -142,9 +142,11 @@ def test_usage_and_peer_with_timings(usage_server, timings_server, tmp_path, cap
     assert all(b["stream"] and b["temperature"] == 0 and b["max_tokens"] == 16 for b in measured)
     assert all(b["stream_options"] == {"include_usage": True} for b in measured)
     assert not any("ignore_eos" in b for b in usage_server.bodies)
+    prompts = [b["messages"][-1]["content"] for b in usage_server.bodies + timings_server.bodies]
+    assert len(set(prompts)) == len(prompts), "every request must miss the prefix cache"
 
     printed = capsys.readouterr().out
-    assert printed.count("ours/peer") == 2
+    assert sum(line.startswith("ours/peer ") for line in printed.splitlines()) == 2
     first = ours["levels"][0]
     row = next(line for line in printed.splitlines() if line.startswith("ours "))
     assert row.split()[1:5] == ["1", "4", "0", str(first["output_tokens"])]
