@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 import signal
@@ -62,9 +61,6 @@ def test_flag_aliases_parse() -> None:
     )
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("runtime.tokenizer") is None, reason="the engine is not built yet"
-)
 def test_model_source_error_is_one_line_exit_1() -> None:
     result = run_cli("--model-id", "/no/such/model/dir", "--log", os.devnull)
     assert result.returncode == 1, result.stderr

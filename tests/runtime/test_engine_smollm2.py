@@ -44,7 +44,7 @@ def engine(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def hf(smollm2_gguf):
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = smollm2_gguf.parent, smollm2_gguf.name
