@@ -146,6 +146,7 @@ def test_tiny_file_matches_transformers(tiny: tuple[Path, dict[str, np.ndarray]]
     """HF transformers reads the synthetic file to the same tensors (an independent unpermute)."""
     import torch
     import transformers
+
     path, _ = tiny
     _assert_matches_transformers(path, torch, transformers)
 
@@ -154,6 +155,7 @@ def test_tiny_file_matches_transformers(tiny: tuple[Path, dict[str, np.ndarray]]
 def test_smollm2_matches_transformers(smollm2_gguf: Path) -> None:
     import torch
     import transformers
+
     _assert_matches_transformers(smollm2_gguf, torch, transformers)
 
 

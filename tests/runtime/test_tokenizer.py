@@ -99,6 +99,7 @@ def test_no_template(byte_tokenizer: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf: Path) -> tuple[Tokenizer, object]:
     import transformers
+
     ours = Tokenizer.from_gguf(smollm2_gguf)
     reference = transformers.AutoTokenizer.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
