@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,9 +13,7 @@ import openai
 import pytest
 
 from api.cli import build_parser
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVING_LINE = re.compile(r"Serving (?P<model>\S+) on (?P<url>http://\S+/v1)")
+from tests.serve_process import REPO_ROOT, running_server
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -70,34 +66,15 @@ def test_model_source_error_is_one_line_exit_1() -> None:
 
 @pytest.fixture
 def mock_server(tmp_path: Path) -> Iterator[str]:
-    """``python -m api.cli --mock-engine --port 0``; yields its base URL (``.../v1``).
+    """``runtime-serve --mock-engine``; yields its base URL (``.../v1``).
 
     Stopped with Ctrl-C (SIGINT), which must shut down cleanly: status 130, no traceback.
     """
     log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "api.cli", "--mock-engine", "--port", "0"]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [*command, "--served-model-name", "mock"],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # printed once the socket listens
-        match = SERVING_LINE.search(line)
-        assert match, f"unexpected first line: {line!r}; log: {log.read_text()}"
-        assert match["model"] == "mock"
-        yield match["url"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        finally:
-            proc.kill()
-    assert proc.returncode == 130, log.read_text()
+    with running_server(["--mock-engine", "--served-model-name", "mock"], log, 15) as server:
+        assert server.model == "mock"
+        yield server.url
+    assert server.returncode == 130, log.read_text()
     assert "Traceback" not in log.read_text()
     assert "shutting down engine" in log.read_text()
 

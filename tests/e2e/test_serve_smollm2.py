@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,44 +10,19 @@ import httpx
 import openai
 import pytest
 
+from tests.serve_process import running_server
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVING_LINE = re.compile(r"Serving (?P<model>\S+) on (?P<url>http://\S+/v1)")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def serve_command() -> list[str]:
-    """The installed console script when present (it is after `just setup`), else the module."""
-    script = Path(sys.executable).with_name("runtime-serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = ["--port", "0", "--max-model-len", "512", "--max-num-seqs", "4"]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [*serve_command(), *args],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # blocks until warmup is done and the socket listens
-        match = SERVING_LINE.search(line)
-        assert match, f"unexpected first line {line!r}; log:\n{log.read_text()[-3000:]}"
-        assert match["model"] == "smollm2-135m-instruct"
-        yield match["url"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            proc.kill()
+    with running_server(["--max-model-len", "512", "--max-num-seqs", "4"], log) as proc:
+        assert proc.model == "smollm2-135m-instruct"
+        yield proc.url
     assert "Traceback" not in log.read_text()
 
 
