@@ -24,6 +24,7 @@ from runtime.model_runner import ModelRunner
 from runtime.request import FinishReason, GenerationDelta, SamplingParams, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
+from runtime.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,22 +86,56 @@ class Engine:
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
+    def stats(self) -> EngineStats:
+        """Read from any thread without a lock: in CPython, reading an int attribute or ``len()``
+        of a list/deque is atomic, so each count is a value the loop thread really held (the
+        counts may come from adjacent steps, which is fine for monitoring)."""
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_pages_total=scheduler.allocator.num_pages,
+            num_pages_free=scheduler.allocator.num_free,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
     # -- requests ----------------------------------------------------------------------------
     def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationDelta]:
         """Validate now (``ValueError`` at call time), then stream the request's deltas."""
+        return self.generate_n(prompt_token_ids, sampling, request_id, 1)[0]
+
+    def generate_n(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+    ) -> list[AsyncIterator[GenerationDelta]]:
+        """``n`` independent samples of one prompt, computed once: the first sequence prefills
+        the prompt, the others start on its pages (shared by reference count).
+
+        Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``. The sequences are
+        queued at once; closing a stream before it finished aborts that sequence only.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         self._validate(prompt_token_ids, sampling)
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            sampling,
-            self._seeds.getrandbits(32),
-            self._next_arrival(),
-        )
-        return self._stream(seq)
+        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        seqs = [
+            Sequence(
+                rid, list(prompt_token_ids), sampling, self._seeds.getrandbits(32), self._next_arrival()
+            )
+            for rid in ids
+        ]
+        seqs[0].forks = seqs[1:]
+        # Streams exist before the loop thread sees the sequences, so no token can be missed.
+        loop = asyncio.get_running_loop()
+        streams = []
+        for seq in seqs:
+            self._streams[seq.request_id] = _Stream(loop, asyncio.Queue())
+            streams.append(self._deltas(seq))
+        self._post("add", seqs[0])
+        return streams
 
     def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
         if not prompt:
@@ -118,31 +153,8 @@ class Engine:
         self._arrivals += 1
         return self._arrivals
 
-    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationDelta]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[seq.request_id] = stream
-        self._post("add", seq)
-        decoder = self.tokenizer.incremental_decoder()
-        num_output = 0
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                num_output += len(out.token_ids)
-                finished = out.finish_reason is not None
-                text = decoder.push(out.token_ids)
-                if finished:
-                    text += decoder.flush()  # a trailing incomplete character, if any
-                yield GenerationDelta(
-                    token_ids=tuple(out.token_ids),
-                    text=text,
-                    num_prompt_tokens=len(seq.prompt_ids),
-                    num_output_tokens=num_output,
-                    finish_reason=out.finish_reason,
-                )
-        finally:
-            if not finished:
-                self._post("abort", seq.request_id)
+    def _deltas(self, seq: Sequence) -> _RequestStream:
+        return _RequestStream(self, seq, self._streams[seq.request_id].queue)
 
     def _post(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
@@ -197,3 +209,48 @@ class Engine:
         if out.finish_reason is not None:
             del self._streams[request_id]
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+
+class _RequestStream:
+    """One sequence's deltas as an async iterator; detokenizes incrementally.
+
+    ``aclose()`` (or leaving an ``async for`` early, through the caller's cleanup) aborts the
+    sequence if it has not finished, also when the stream was never iterated.
+    """
+
+    def __init__(self, engine: Engine, seq: Sequence, queue: asyncio.Queue[StepOutput]) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._queue = queue
+        self._decoder = engine.tokenizer.incremental_decoder()
+        self._num_output = 0
+        self._finished = False
+
+    def __aiter__(self) -> _RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._num_output += len(out.token_ids)
+        self._finished = out.finish_reason is not None
+        text = self._decoder.push(out.token_ids)
+        if self._finished:
+            text += self._decoder.flush()  # a trailing incomplete character, if any
+        return GenerationDelta(
+            token_ids=tuple(out.token_ids),
+            text=text,
+            num_prompt_tokens=len(self._seq.prompt_ids),
+            num_output_tokens=self._num_output,
+            finish_reason=out.finish_reason,
+        )
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._post("abort", self._seq.request_id)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from runtime.request import GenerationDelta, SamplingParams
+from runtime.stats import EngineStats
 
 
 class TokenizerLike(Protocol):
@@ -54,6 +55,11 @@ class EngineClient(Protocol):
         """True while the loop thread is alive and serving."""
         ...
 
+    def stats(self) -> EngineStats:
+        """A snapshot of running/waiting sequences, KV pages and preemptions. Read-only; safe to
+        call from any thread (it only reads ints and container lengths)."""
+        ...
+
     def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationDelta]:
@@ -61,5 +67,16 @@ class EngineClient(Protocol):
 
         Raises ``ValueError`` (before yielding anything) when the prompt cannot be served, e.g.
         it is empty or longer than ``max_model_len``.
+        """
+        ...
+
+    def generate_n(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+    ) -> list[AsyncIterator[GenerationDelta]]:
+        """``n`` independent completions of one prompt (OpenAI's ``n``), one stream each.
+
+        The engine computes the prompt once and shares its pages among the ``n`` sequences.
+        Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``; each finishes (or is
+        aborted by closing it) on its own. Raises ``ValueError`` like ``generate``.
         """
         ...

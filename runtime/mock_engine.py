@@ -191,6 +191,17 @@ class MockEngine:
             if not finished:
                 self._record_abort(request_id)
 
+    def generate_n(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+    ) -> list[AsyncIterator[GenerationDelta]]:
+        """``n`` streams as ``EngineClient.generate_n`` names them (the mock's replies are equal)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self._validate(prompt_token_ids)
+        if n == 1:
+            return [self.generate(prompt_token_ids, sampling, request_id)]
+        return [self.generate(prompt_token_ids, sampling, f"{request_id}-{i}") for i in range(n)]
+
     def _record_abort(self, request_id: str) -> None:
         with self._changed:
             self.aborted.append(request_id)

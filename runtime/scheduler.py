@@ -73,11 +73,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a sequence wherever it is and free its pages."""
+        """Remove a sequence wherever it is (waiting, running, or parked as a fork) and free its
+        pages. Forks parked on an aborted parent are released to run on their own."""
         for seq in list(self.waiting) + self.running:
             if seq.request_id == request_id:
                 self._finish(seq, FinishReason.ABORT)
+                self.waiting.extendleft(reversed(seq.forks))
+                seq.forks = []
                 return seq
+            for fork in seq.forks:
+                if fork.request_id == request_id:
+                    seq.forks.remove(fork)
+                    fork.status = SequenceStatus.FINISHED
+                    fork.finish_reason = FinishReason.ABORT
+                    return fork
         return None
 
     def schedule(self) -> ScheduledBatch | None:
@@ -103,6 +112,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = item.start + item.length
+            if seq.forks and seq.num_computed >= len(seq.prompt_ids):
+                self._release_forks(seq)
             if not item.reaches_end:
                 continue
             seq.output_ids.append(int(token))
@@ -167,6 +178,22 @@ class Scheduler:
                 seq.pages += self.allocator.allocate(needed)
                 kept.append(seq)
         return kept
+
+    def _release_forks(self, parent: Sequence) -> None:
+        """Start the parent's forks (n > 1) on its computed prompt.
+
+        Each fork shares, by reference count, every full page of the prompt except the one holding
+        its last token, and recomputes from there: at least one token, whose logits give the fork
+        its own first sample. Full pages are never written again, so sharing them is safe.
+        """
+        shared = (len(parent.prompt_ids) - 1) // self.page_size
+        for fork in parent.forks:
+            for page in parent.pages[:shared]:
+                self.allocator.share(page)
+            fork.pages = parent.pages[:shared]
+            fork.num_computed = shared * self.page_size
+        self.waiting.extendleft(reversed(parent.forks))
+        parent.forks = []
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it waits at the front and is recomputed from scratch."""

@@ -33,6 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # n > 1: sibling sequences parked until this one's prompt is computed, then started on its pages.
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -131,3 +131,66 @@ def test_preemption_when_pages_run_out_recomputes_the_newest():
     sched.abort(old.request_id)
     b = sched.schedule()  # the preempted sequence recomputes prompt + outputs in one prefill
     assert b.kind is StepKind.PREFILL and b.items[0].length == 4 + generated
+
+
+def test_forks_share_the_prompt_pages_and_recompute_only_the_last_partial_page():
+    sched, alloc = make(num_pages=16, page_size=4, chunk=16)
+    parent = seq(10, max_tokens=3)  # pages: [0-3] [4-7] [8-9]
+    forks = [seq(10, max_tokens=3), seq(10, max_tokens=3)]
+    parent.forks = list(forks)
+    sched.add(parent)
+    b = sched.schedule()
+    assert b.kind is StepKind.PREFILL and b.items[0].length == 10
+    run(sched, b)
+    assert parent.forks == [] and list(sched.waiting) == forks
+    shared = parent.pages[:2]  # the page holding the last prompt token is not shared
+    for fork in forks:
+        assert fork.pages == shared and fork.num_computed == 8
+    assert all(alloc.ref_count(p) == 3 for p in shared)
+    b = sched.schedule()  # parent decodes (prefill and decode alternate)
+    run(sched, b)
+    b = sched.schedule()
+    assert b.kind is StepKind.PREFILL and (b.items[0].start, b.items[0].length) == (8, 2)
+    assert b.items[0].seq is forks[0] and b.items[0].reaches_end
+    while sched.has_work():
+        run(sched, sched.schedule())
+    assert all(len(s.output_ids) == 3 for s in [parent, *forks])
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_prompt_on_a_page_boundary_still_leaves_a_token_for_each_fork():
+    sched, alloc = make(num_pages=16, page_size=4, chunk=16)
+    parent, fork = seq(8, max_tokens=1), seq(8, max_tokens=1)
+    parent.forks = [fork]
+    sched.add(parent)
+    b = sched.schedule()
+    prompt_pages = list(parent.pages)
+    run(sched, b)
+    assert parent.finish_reason is FinishReason.LENGTH  # parent finished in the same update
+    assert fork.num_computed == 4 and fork.pages == prompt_pages[:1]
+    assert alloc.ref_count(prompt_pages[0]) == 1  # the parent's reference is gone, the fork's stays
+    b = sched.schedule()
+    assert (b.items[0].start, b.items[0].length) == (4, 4)
+    run(sched, b)
+    assert fork.finish_reason is FinishReason.LENGTH and alloc.num_free == alloc.num_pages
+
+
+def test_aborting_a_parent_before_the_fork_point_lets_its_forks_run_alone():
+    sched, alloc = make(num_pages=16, page_size=4, chunk=4)
+    parent, fork = seq(10, max_tokens=2, rid="parent"), seq(10, max_tokens=2, rid="fork")
+    parent.forks = [fork]
+    sched.add(parent)
+    run(sched, sched.schedule())  # first chunk of 4 only
+    sched.abort("parent")
+    assert list(sched.waiting) == [fork] and fork.pages == [] and fork.num_computed == 0
+    assert sched.abort("fork") is fork and not sched.has_work()
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_aborting_a_parked_fork_removes_it():
+    sched, _ = make()
+    parent, fork = seq(6, rid="p"), seq(6, rid="f")
+    parent.forks = [fork]
+    sched.add(parent)
+    assert sched.abort("f") is fork and fork.finish_reason is FinishReason.ABORT
+    assert parent.forks == []
