@@ -5,6 +5,8 @@
 2. Route handlers receive the engine, and the served model's card, by dependency injection; there
    is no module-level state, so several apps (e.g. in tests) can live in one process.
 3. Every error leaves as the OpenAI envelope (``api.errors``).
+4. ``ServerConfig`` (``api.config``) adds the API key guard, CORS, the body size cap, sampling
+   defaults and served-model aliases; each app has its own Prometheus registry (``api.metrics``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
+from litestar.openapi import OpenAPIConfig
 
+from api.auth import api_key_guard
+from api.config import ServerConfig
 from api.dependencies import provide_dependencies
 from api.errors import exception_handlers
+from api.metrics import Metrics
 from api.protocol import ModelCard
+from api.request_id import response_hook
 from api.routes import ROUTE_HANDLERS
+from api.routes.service import package_version
 from runtime.interface import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -28,18 +37,28 @@ logger = logging.getLogger(__name__)
 OWNED_BY = "jax-llm-runtime"
 
 
-def create_app(engine: EngineClient, *, debug: bool = False) -> Litestar:
+def create_app(
+    engine: EngineClient, *, config: ServerConfig | None = None, debug: bool = False
+) -> Litestar:
     """An OpenAI-compatible app serving ``engine``; the app owns the engine's start and shutdown.
 
     Logging is left to the caller (``api.cli`` configures it), so importing or embedding the app
-    never reconfigures the process's loggers.
+    never reconfigures the process's loggers. Raises ValueError when ``config`` names served
+    models whose first (the reported name) is not ``engine.model_name``.
     """
-    model_card = ModelCard(
-        id=engine.model_name,
-        created=int(time.time()),
-        owned_by=OWNED_BY,
-        max_model_len=engine.max_model_len,
-    )
+    config = config or ServerConfig()
+    names = config.model_names(engine.model_name)
+    if names[0] != engine.model_name:
+        raise ValueError(
+            f"the first served model name ({names[0]!r}) must be the engine's model_name "
+            f"({engine.model_name!r}): responses report it"
+        )
+    created = int(time.time())
+    model_cards = [
+        ModelCard(id=name, created=created, owned_by=OWNED_BY, max_model_len=engine.max_model_len)
+        for name in names
+    ]
+    metrics = Metrics(engine)
 
     @asynccontextmanager
     async def engine_lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -55,9 +74,17 @@ def create_app(engine: EngineClient, *, debug: bool = False) -> Litestar:
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
         lifespan=[engine_lifespan],
-        dependencies=provide_dependencies(engine, model_card),
+        dependencies=provide_dependencies(engine, model_cards, config, metrics),
         exception_handlers=exception_handlers(),
+        guards=[api_key_guard(config.api_key)] if config.api_key else [],
+        before_send=[response_hook(metrics)],
+        cors_config=CORSConfig(allow_origins=list(config.allowed_origins))
+        if config.allowed_origins
+        else None,
+        request_max_body_size=config.max_request_body_bytes,
         logging_config=None,
-        openapi_config=None,
+        openapi_config=OpenAPIConfig(
+            title="jax-llm-runtime", version=package_version(), path="/schema"
+        ),
         debug=debug,
     )

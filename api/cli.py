@@ -16,9 +16,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from api.service_flags import add_service_flags, generation_config_defaults, server_config
 from runtime.config import DEFAULT_MODEL_ID, DTYPES, EngineConfig
 
 if TYPE_CHECKING:
+    from api.config import ServerConfig
     from runtime.interface import EngineClient
 
 PROG = "runtime-serve"
@@ -76,8 +78,10 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send and /v1/models lists; default: derived from --model-id",
+        help="the model names clients may send and /v1/models lists; responses report the "
+        "first; default: derived from --model-id",
     )
 
 
@@ -160,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(parser.add_argument_group("model"))
     _add_engine_flags(parser.add_argument_group("engine"))
     _add_server_flags(parser.add_argument_group("server"))
+    add_service_flags(parser)
     return parser
 
 
@@ -174,7 +179,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
         seed=args.seed,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )
 
 
@@ -199,7 +204,7 @@ def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
     return build_engine(config)
 
 
-def _serve(engine: EngineClient, host: str, port: int) -> bool:
+def _serve(engine: EngineClient, host: str, port: int, server: ServerConfig) -> bool:
     """Run uvicorn until interrupted; False when the app failed to start (engine startup error)."""
     import uvicorn
 
@@ -215,16 +220,16 @@ def _serve(engine: EngineClient, host: str, port: int) -> bool:
                 print(line, flush=True)
 
     config = uvicorn.Config(
-        create_app(engine),
+        create_app(engine, config=server),
         host=host,
         port=port,
         log_level="info",
         log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = AnnouncingServer(config)
-    server.run()
-    return server.started
+    uvicorn_server = AnnouncingServer(config)
+    uvicorn_server.run()
+    return uvicorn_server.started
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = _config_from_args(args)
+        server_config(args)  # validate the service flags before loading anything
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     try:
@@ -243,13 +249,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         engine = _build_engine(config, args.mock_engine)
+        generation_defaults = (
+            None if args.mock_engine else generation_config_defaults(args.model_id)
+        )
+        server = server_config(args, generation_defaults)
     except (ModelSourceError, ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     try:
-        return 0 if _serve(engine, args.host, args.port) else 1
+        return 0 if _serve(engine, args.host, args.port, server) else 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
 

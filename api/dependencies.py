@@ -12,22 +12,30 @@ from typing import Annotated
 from litestar.di import Provide
 from litestar.params import Dependency
 
+from api.config import ServerConfig
+from api.metrics import Metrics
 from api.protocol import ModelCard
 from runtime.interface import EngineClient
 
 EngineDep = Annotated[EngineClient, Dependency(skip_validation=True)]
 
 
-def provide_dependencies(engine: EngineClient, model_card: ModelCard) -> dict[str, Provide]:
-    """Providers for ``engine`` (an ``EngineDep``) and ``model_card`` (a ``ModelCard``)."""
+def provide_dependencies(
+    engine: EngineClient,
+    model_cards: list[ModelCard],
+    config: ServerConfig,
+    metrics: Metrics,
+) -> dict[str, Provide]:
+    """Providers for ``engine`` (an ``EngineDep``), ``model_card`` (the reported name's card),
+    ``model_cards`` (one per served name), ``config`` (``ServerConfig``), ``metrics``."""
 
-    def provide_engine() -> EngineClient:
-        return engine
-
-    def provide_model_card() -> ModelCard:
-        return model_card
+    def constant(value: object) -> Provide:
+        return Provide(lambda: value, sync_to_thread=False, use_cache=True)
 
     return {
-        "engine": Provide(provide_engine, sync_to_thread=False, use_cache=True),
-        "model_card": Provide(provide_model_card, sync_to_thread=False, use_cache=True),
+        "engine": constant(engine),
+        "model_card": constant(model_cards[0]),
+        "model_cards": constant(model_cards),
+        "config": constant(config),
+        "metrics": constant(metrics),
     }

@@ -19,10 +19,19 @@ from litestar import Request
 
 from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request
+from api.logprobs import LogprobAligner
+from api.metrics import Metrics
 from api.protocol import Usage
 from api.stop import StopStringMatcher
+from api.timing import RequestTiming
 from runtime.interface import EngineClient
-from runtime.request import FinishReason, GenerationDelta, SamplingParams
+from runtime.request import (
+    FinishReason,
+    GenerationDelta,
+    SamplingFieldError,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @dataclass(frozen=True)
@@ -32,17 +41,22 @@ class TextPiece:
     text: str
     finish_reason: str | None  # "stop" or "length" on the last piece
     usage: Usage
+    reasoning: str = ""  # a reasoning model's thinking, split off by ``api.reasoning``
+    # The tokens whose text this piece completes, when the request asked (``api.logprobs``).
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class EngineStreamError(RuntimeError):
     """The engine's stream ended without a finish reason (an engine bug)."""
 
 
-def _usage(delta: GenerationDelta) -> Usage:
+def _usage(delta: GenerationDelta, timing: RequestTiming) -> Usage:
     return Usage(
         prompt_tokens=delta.num_prompt_tokens,
         completion_tokens=delta.num_output_tokens,
         total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+        prompt_time_costs=timing.prompt_time_costs_ms,
+        completion_time_costs=timing.completion_time_costs_ms,
     )
 
 
@@ -62,11 +76,31 @@ class Generation:
     """A submitted request, positioned after its first delta. Iterate ``pieces`` once."""
 
     def __init__(
-        self, deltas: AsyncIterator[GenerationDelta], first: GenerationDelta, stop: tuple[str, ...]
+        self,
+        deltas: AsyncIterator[GenerationDelta],
+        first: GenerationDelta,
+        stop: tuple[str, ...],
+        timing: RequestTiming | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._deltas = deltas
         self._first = first
         self._stop = stop
+        self._timing = timing or RequestTiming()
+        self._metrics = metrics
+
+    def _finished(self, delta: GenerationDelta, finish_reason: str) -> Usage:
+        """The final usage; records the request's latencies and tokens in the metrics."""
+        self._timing.mark_finished()
+        if self._metrics is not None:
+            self._metrics.observe_finished(
+                finish_reason,
+                delta.num_prompt_tokens,
+                delta.num_output_tokens,
+                self._timing.ttft_s,
+                self._timing.decode_s,
+            )
+        return _usage(delta, self._timing)
 
     async def aclose(self) -> None:
         """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
@@ -79,22 +113,27 @@ class Generation:
         EngineStreamError when the stream ends without a finish reason.
         """
         matcher = StopStringMatcher(self._stop)
+        aligner = LogprobAligner()
         delta = self._first
         try:
             while True:
+                aligner.add(delta.text, delta.logprobs)
                 text = matcher.feed(delta.text)
                 if matcher.stopped:
-                    yield TextPiece(text, FinishReason.STOP.value, _usage(delta))
+                    reason = FinishReason.STOP.value
+                    usage = self._finished(delta, reason)
+                    yield TextPiece(text, reason, usage, logprobs=aligner.cut(len(text)))
                     return
                 if delta.finish_reason is FinishReason.ABORT:
                     raise _aborted()
                 if delta.finish_reason is not None:
-                    yield TextPiece(
-                        text + matcher.flush(), delta.finish_reason.value, _usage(delta)
-                    )
+                    reason = delta.finish_reason.value
+                    usage = self._finished(delta, reason)
+                    yield TextPiece(text + matcher.flush(), reason, usage, logprobs=aligner.flush())
                     return
                 if text:
-                    yield TextPiece(text, None, _usage(delta))
+                    usage = _usage(delta, self._timing)
+                    yield TextPiece(text, None, usage, logprobs=aligner.release(len(text)))
                 delta = await self._next()
         finally:
             await self.aclose()
@@ -108,13 +147,15 @@ class Generation:
     async def collect(self) -> TextPiece:
         """The whole completion as one piece (text, finish reason, final usage)."""
         parts: list[str] = []
+        logprobs: list[TokenLogprobs] = []
         last: TextPiece | None = None
         async for piece in self.pieces():
             parts.append(piece.text)
+            logprobs += piece.logprobs
             last = piece
         if last is None:  # pieces() always ends with a finish piece or raises
             raise EngineStreamError("the engine stream produced no output")
-        return TextPiece("".join(parts), last.finish_reason, last.usage)
+        return TextPiece("".join(parts), last.finish_reason, last.usage, logprobs=tuple(logprobs))
 
 
 async def start_generation(
@@ -124,6 +165,7 @@ async def start_generation(
     sampling: SamplingParams,
     request_id: str,
     stop: tuple[str, ...],
+    metrics: Metrics | None = None,
 ) -> Generation:
     """Submit to the engine and wait for the first delta.
 
@@ -133,8 +175,11 @@ async def start_generation(
     """
     if not engine.healthy():
         raise APIError(503, "The engine is not running.", code="engine_unhealthy")
+    timing = RequestTiming()
     try:
         deltas = engine.generate(prompt_ids, sampling, request_id)
+    except SamplingFieldError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
     except ValueError as exc:
         raise bad_request(str(exc), code="invalid_prompt") from None
 
@@ -145,9 +190,12 @@ async def start_generation(
         first = await cancel_on_disconnect(request, first_delta())
     except BaseException as exc:
         await _close(deltas)
+        if isinstance(exc, SamplingFieldError):
+            raise bad_request(str(exc), param=exc.param) from None
         if isinstance(exc, ValueError):
             raise bad_request(str(exc), code="invalid_prompt") from None
         if isinstance(exc, StopAsyncIteration):
             raise EngineStreamError("the engine stream ended before its first delta") from None
         raise
-    return Generation(deltas, first, stop)
+    timing.mark_first_token()
+    return Generation(deltas, first, stop, timing, metrics)

@@ -39,6 +39,15 @@ async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest)
         raise bad_request(
             f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
         )
+    for field in ("enable_thinking", "thinking"):
+        value = getattr(body, field)
+        if value is None:
+            continue
+        if kwargs.setdefault("enable_thinking", value) != value:
+            raise bad_request(
+                f"`{field}` contradicts another enable_thinking setting in this request.",
+                param=field,
+            )
     messages = [_template_message(m) for m in body.messages]
 
     def render_and_encode() -> list[int]:

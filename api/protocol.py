@@ -1,8 +1,8 @@
 """OpenAI request and response bodies as msgspec Structs.
 
 Requests forbid unknown fields, so a typo is a 400 rather than a silently ignored setting. Fields that
-OpenAI clients commonly send but this server cannot honour yet (``n > 1``, ``seed``, penalties,
-logprobs, tools, ...) are declared so ``api.validation`` can reject a non-default value with a
+OpenAI clients commonly send but this server cannot honour yet (``n > 1``, tools, ``echo``,
+...) are declared so ``api.validation`` can reject a non-default value with a
 "not supported yet" message naming the field; their defaults are accepted.
 """
 
@@ -69,10 +69,16 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None
     # Accepted only at their defaults (see the module docstring).
     n: PositiveInt | None = None
-    seed: int | None = None
+    # Ranges are checked by runtime.request.SamplingParams (a 400 naming the field).
+    seed: int | None = None  # any int64; reduced modulo 2**32 by the engine
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM / candle-vllm extensions.
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    min_p: float | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple (empty when unset)."""
@@ -91,9 +97,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted only at their defaults.
+    # Reasoning models: reach the chat template as its ``enable_thinking`` variable.
+    enable_thinking: bool | None = None
+    thinking: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # Accepted only at their defaults.
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -104,8 +113,8 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     """POST /v1/completions. ``prompt`` is text, token ids, or a list holding one text."""
 
     prompt: str | list[str | int]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI allows 0..5
     # Accepted only at their defaults.
-    logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -114,22 +123,72 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
 # ---------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (none exists yet)
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0  # completion tokens inside a reasoning block, when parsed
+
+
 class Usage(msgspec.Struct):
+    """OpenAI's usage, plus candle-vllm's ``prompt_time_costs`` (time to first token) and
+    ``completion_time_costs`` (first token to finish), both in milliseconds."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = msgspec.field(
+        default_factory=CompletionTokensDetails
+    )
+    prompt_time_costs: int = 0
+    completion_time_costs: int = 0
 
 
 class AssistantMessage(msgspec.Struct):
+    """``reasoning_content`` (and ``reasoning``, vLLM's newer name for the same text) hold a
+    reasoning model's thinking; both are left out for other models."""
+
     content: str
     role: str = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """One generated token in ``choices[i].logprobs.content``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions format; ``text_offset`` indexes the choice's whole text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -146,13 +205,15 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -168,7 +229,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):
@@ -206,3 +267,41 @@ class ErrorResponse(msgspec.Struct):
     """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorBody
+
+
+# ------------------------------------------------------------------------------------- embeddings
+
+# A string, a list of strings, a list of token ids, or a list of lists of token ids; a mixed list
+# is rejected by the route.
+EmbeddingInput = str | list[str | TokenId | list[TokenId]]
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/embeddings. ``pooling`` ("mean" or "last") and ``normalize`` (L2, default true)
+    are extensions; ``dimensions`` is accepted only unset."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: bool = True
+    user: str | None = None
+    dimensions: int | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"

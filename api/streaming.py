@@ -24,6 +24,7 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 from api.errors import APIError
 from api.generation import Generation
 from api.protocol import Usage
+from runtime.request import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,13 @@ class ChunkFactory(Protocol):
         """The chunk sent before any text (chat: the assistant role), or None."""
         ...
 
-    def text(self, text: str) -> msgspec.Struct:
-        """A chunk carrying newly generated text."""
+    def text(self, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> msgspec.Struct:
+        """A chunk carrying newly generated text (and its tokens' logprobs, when requested)."""
+        ...
+
+    def reasoning(self, text: str) -> msgspec.Struct:
+        """A chunk carrying newly generated reasoning (chat only: only pieces split by
+        ``api.reasoning`` have any)."""
         ...
 
     def finish(self, finish_reason: str) -> msgspec.Struct:
@@ -63,8 +69,10 @@ async def _events(
         if opening is not None:
             yield _event(opening)
         async for piece in generation.pieces():
-            if piece.text:
-                yield _event(chunks.text(piece.text))
+            if piece.reasoning:
+                yield _event(chunks.reasoning(piece.reasoning))
+            if piece.text or piece.logprobs:
+                yield _event(chunks.text(piece.text, piece.logprobs))
             if piece.finish_reason is not None:
                 yield _event(chunks.finish(piece.finish_reason))
                 if include_usage:

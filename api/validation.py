@@ -46,12 +46,13 @@ def _split_location(message: str) -> tuple[str, str | None]:
     return f"{text} (at `{path}`)", path
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """An empty or omitted model means the served one; any other name is a 404."""
-    if requested and requested != served:
+def check_model(requested: str | None, served: str | tuple[str, ...]) -> None:
+    """An empty or omitted model means the served one; a name not in ``served`` is a 404."""
+    names = (served,) if isinstance(served, str) else served
+    if requested and requested not in names:
         raise APIError(
             404,
-            f"The model `{requested}` does not exist. This server serves `{served}`.",
+            f"The model `{requested}` does not exist. This server serves `{names[0]}`.",
             param="model",
             code="model_not_found",
         )
@@ -63,20 +64,13 @@ def _is_default(value: Any, *defaults: Any) -> bool:
 
 _COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: _is_default(v, 1),
-    "seed": lambda v: v is None,
-    "presence_penalty": lambda v: _is_default(v, 0),
-    "frequency_penalty": lambda v: _is_default(v, 0),
-    "logit_bias": lambda v: not v,
 }
 _CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "response_format": lambda v: _is_default(v, {"type": "text"}),
     "tools": lambda v: not v,
     "tool_choice": lambda v: _is_default(v, "none", "auto"),
 }
 _COMPLETION_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is None,
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "best_of": lambda v: _is_default(v, 1),
@@ -136,7 +130,44 @@ def build_sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            min_p=body.min_p or 0.0,
+            min_tokens=body.min_tokens or 0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repeat_last_n=body.repeat_last_n or 0,
+            logit_bias=_logit_bias(body.logit_bias),
+            seed=body.seed,
+            logprobs=requested_logprobs(body),
         )
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param=field if hasattr(body, field) else None) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` (JSON keys are strings) to sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+    return tuple(sorted(pairs))
+
+
+def requested_logprobs(body: SamplingFields) -> int | None:
+    """How many alternatives per token the body asks for; None when it wants no logprobs.
+
+    Chat: ``logprobs: true`` plus ``top_logprobs`` (0..20, default 0); completions: the integer
+    ``logprobs`` (0..20; OpenAI allows 0..5).
+    """
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            return body.top_logprobs or 0
+        if body.top_logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    return getattr(body, "logprobs", None)

@@ -12,6 +12,7 @@ import numpy as np
 
 from models.batch import StepBatch
 from models.layers.attention import AttentionConfig, paged_self_attention
+from models.layers.causal_attention import causal_self_attention
 from models.layers.mlp import gated_mlp
 from models.layers.norms import rms_norm
 from models.layers.rotary import RopeConfig
@@ -151,3 +152,30 @@ def forward(
     else:
         logits = jnp.einsum("sh,hv->sv", h, weights["lm_head"], preferred_element_type=jnp.float32)
     return logits, cache
+
+
+def hidden_states(
+    cfg: LlamaConfig,
+    weights: dict[str, Any],
+    tokens: jax.Array,  # [num_seqs, seq_len] int32
+    positions: jax.Array,  # [num_seqs, seq_len] int32
+    lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
+) -> jax.Array:  # [num_seqs, seq_len, hidden] float32
+    """The final-normed hidden state of every position, without the KV cache (embeddings).
+
+    Attention is plain causal attention within each sequence's first ``lengths`` tokens; rows
+    past a sequence's length are padding and hold garbage.
+    """
+    x = weights["embed"][tokens]  # [num_seqs, seq_len, hidden]
+
+    def layer_step(x: jax.Array, lw: dict) -> tuple[jax.Array, None]:
+        h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+        a = cfg.attention
+        x = x + causal_self_attention(
+            a, h, lw["wq"], lw["wk"], lw["wv"], lw["wo"], positions, lengths
+        )
+        h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
+        return x + gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"]), None
+
+    x, _ = jax.lax.scan(layer_step, x, weights["layers"])
+    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)

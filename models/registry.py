@@ -17,20 +17,29 @@ class ModelSpec:
 
     ``config_from_hf`` reads an HF config dict; ``load(config, tensors, dtype, num_tensors)``
     builds the weight pytree from HF-named tensors; ``forward(config, weights, cache, batch)``
-    returns ``(logits, cache)``. Configs expose ``num_layers``, ``num_kv_heads``, ``head_dim``,
-    ``vocab_size`` and ``max_position_embeddings``.
+    returns ``(logits, cache)``. ``hidden_states(config, weights, tokens, positions, lengths)``,
+    when the architecture has one, returns the final-normed hidden states of every position
+    without touching the KV cache (used for embeddings). Configs expose ``num_layers``,
+    ``num_kv_heads``, ``head_dim``, ``vocab_size`` and ``max_position_embeddings``.
     """
 
     hf_architecture: str
     config_from_hf: Callable[[dict[str, Any]], Any]
     load: Callable[[Any, Iterable[tuple[str, np.ndarray]], Any, int | None], Any]
     forward: Callable[..., Any]
+    hidden_states: Callable[..., Any] | None = None
 
 
 _SPECS = {
     spec.hf_architecture: spec
     for spec in (
-        ModelSpec("LlamaForCausalLM", llama.LlamaConfig.from_hf, llama.load, llama.forward),
+        ModelSpec(
+            "LlamaForCausalLM",
+            llama.LlamaConfig.from_hf,
+            llama.load,
+            llama.forward,
+            llama.hidden_states,
+        ),
     )
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}

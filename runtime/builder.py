@@ -12,6 +12,7 @@ from models.registry import GGUF_ARCHITECTURES, get_model_spec
 from pallas_kernels.paged_attention import KVCache, kv_cache_shape
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
+from runtime.embedder import EmbeddingRunner
 from runtime.engine import Engine
 from runtime.gguf_loader import Checkpoint, load_gguf_checkpoint
 from runtime.hf_loader import load_hf_checkpoint
@@ -88,7 +89,14 @@ def build_engine(config: EngineConfig) -> Engine:
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
-    runner = ModelRunner(spec, model_config, weights, KVCache.zeros(shape, dtype), plan)
+    runner = ModelRunner(
+        spec,
+        model_config,
+        weights,
+        KVCache.zeros(shape, dtype),
+        plan,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
     scheduler = Scheduler(
         PageAllocator(num_pages, config.page_size),
         max_num_seqs=config.max_num_seqs,
@@ -97,4 +105,9 @@ def build_engine(config: EngineConfig) -> Engine:
         eos_token_ids=tokenizer.eos_token_ids,
     )
     name = config.served_model_name or files.name
-    return Engine(runner, scheduler, tokenizer, name, max_model_len, seed=config.seed)
+    embedder = None
+    if spec.hidden_states is not None:
+        embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
+    return Engine(
+        runner, scheduler, tokenizer, name, max_model_len, seed=config.seed, embedder=embedder
+    )

@@ -20,8 +20,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from runtime.embedder import EmbeddingRunner, EmbedJob, Pooling
 from runtime.model_runner import ModelRunner
-from runtime.request import FinishReason, GenerationDelta, SamplingParams, StepOutput
+from runtime.request import (
+    FinishReason,
+    GenerationDelta,
+    SamplingFieldError,
+    SamplingParams,
+    StepOutput,
+)
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
@@ -50,8 +59,10 @@ class Engine:
         model_name: str,
         max_model_len: int,
         seed: int = 0,
+        embedder: EmbeddingRunner | None = None,
     ) -> None:
         self.runner = runner
+        self.embedder = embedder
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -73,6 +84,11 @@ class Engine:
             return
         seconds = self.runner.warmup()
         logger.info("compiled %d step shapes in %.1fs", len(self.runner.plan.shapes()), seconds)
+        if self.embedder is not None:
+            seconds = self.embedder.warmup()
+            logger.info(
+                "compiled %d embedding shapes in %.1fs", len(self.embedder.lengths), seconds
+            )
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -123,9 +139,9 @@ class Engine:
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         seqs = [
             Sequence(
-                rid, list(prompt_token_ids), sampling, self._seeds.getrandbits(32), self._next_arrival()
+                rid, list(prompt_token_ids), sampling, self._seed(sampling, i), self._next_arrival()
             )
-            for rid in ids
+            for i, rid in enumerate(ids)
         ]
         seqs[0].forks = seqs[1:]
         # Streams exist before the loop thread sees the sequences, so no token can be missed.
@@ -137,9 +153,21 @@ class Engine:
         self._post("add", seqs[0])
         return streams
 
+    def _seed(self, sampling: SamplingParams, index: int) -> int:
+        """The request's seed (sample ``index`` of n > 1 adds its index), else a random one."""
+        if sampling.seed is None:
+            return self._seeds.getrandbits(32)
+        return (sampling.seed + index) % 2**32
+
     def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise SamplingFieldError(
+                "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         requested = len(prompt) + sampling.max_tokens
         if requested > self.max_model_len:
             raise ValueError(
@@ -152,6 +180,22 @@ class Engine:
     def _next_arrival(self) -> int:
         self._arrivals += 1
         return self._arrivals
+
+    async def embed(self, inputs: list[list[int]], pooling: Pooling) -> list[np.ndarray]:
+        """Pooled, unnormalised float32 embeddings, computed on the loop thread between steps."""
+        if self.embedder is None:
+            raise ValueError(f"{self.model_name} cannot produce embeddings")
+        for ids in inputs:
+            if not 1 <= len(ids) <= self.max_model_len:
+                raise ValueError(
+                    f"an input has {len(ids)} tokens; embeddings take 1 to "
+                    f"{self.max_model_len} tokens"
+                )
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        job = EmbedJob([list(ids) for ids in inputs], pooling)
+        self._post("embed", job)
+        return await job.future
 
     def _deltas(self, seq: Sequence) -> _RequestStream:
         return _RequestStream(self, seq, self._streams[seq.request_id].queue)
@@ -185,9 +229,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return
-        sampled = self.runner.run(batch)
-        for seq in self.scheduler.update(batch, sampled):
-            self._send(seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason))
+        result = self.runner.run(batch)
+        for seq in self.scheduler.update(batch, result.token_ids):
+            logprobs = result.logprobs_for(seq.request_id)
+            self._send(seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason, logprobs))
         self.num_steps += 1
 
     def _drain_inbox(self) -> None:
@@ -198,6 +243,8 @@ class Engine:
                 return
             if kind == "add":
                 self.scheduler.add(payload)
+            elif kind == "embed":
+                payload.run(self.embedder)
             else:
                 self.scheduler.abort(payload)
                 self._streams.pop(payload, None)
@@ -248,6 +295,7 @@ class _RequestStream:
             num_prompt_tokens=len(self._seq.prompt_ids),
             num_output_tokens=self._num_output,
             finish_reason=out.finish_reason,
+            logprobs=tuple(out.logprobs),
         )
 
     async def aclose(self) -> None:

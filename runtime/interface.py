@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
+from runtime.embedder import Pooling
 from runtime.request import GenerationDelta, SamplingParams
 from runtime.stats import EngineStats
 
@@ -20,6 +23,9 @@ class TokenizerLike(Protocol):
     """The subset of ``runtime.tokenizer.Tokenizer`` that callers of an engine rely on."""
 
     eos_token_ids: frozenset[int]
+    # (start, end) markers around a reasoning model's thinking, e.g. ("<think>", "</think>");
+    # None when the model has none.
+    reasoning_markers: tuple[str, str] | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text to token ids."""
@@ -78,5 +84,16 @@ class EngineClient(Protocol):
         The engine computes the prompt once and shares its pages among the ``n`` sequences.
         Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``; each finishes (or is
         aborted by closing it) on its own. Raises ``ValueError`` like ``generate``.
+        """
+        ...
+
+    async def embed(self, inputs: list[list[int]], pooling: Pooling) -> list[np.ndarray]:
+        """One pooled float32 embedding ``[hidden]`` per input, not normalised.
+
+        ``pooling`` is ``"mean"`` (over the input's tokens) or ``"last"`` (its last token), both
+        over the model's final-normed hidden states. The forward reads and writes no KV cache and
+        runs on the engine's loop thread between steps, never on the caller's event loop. Raises
+        ``ValueError`` when an input is empty or longer than ``max_model_len``, or the model
+        cannot embed.
         """
         ...

@@ -19,11 +19,21 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.request import FinishReason, GenerationDelta, SamplingParams
+import numpy as np
+
+from runtime.request import (
+    FinishReason,
+    GenerationDelta,
+    SamplingFieldError,
+    SamplingParams,
+    TokenLogprobs,
+)
+from runtime.stats import EngineStats
 
 BOS_ID = 256
 EOS_ID = 257
 VOCAB_SIZE = 258
+EMBED_DIM = 8
 _SPECIAL_TEXT = {BOS_ID: "<s>", EOS_ID: "</s>"}
 _USER_TURN = "<|im_start|>user\n"
 _END_TURN = "<|im_end|>"
@@ -33,6 +43,11 @@ class MockTokenizer:
     """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, 256 is BOS, 257 is EOS."""
 
     eos_token_ids: frozenset[int] = frozenset({EOS_ID})
+    # Set to e.g. ("<think>", "</think>") to test a reasoning model's replies.
+    reasoning_markers: tuple[str, str] | None = None
+
+    def __init__(self) -> None:
+        self.template_kwargs: list[dict[str, Any]] = []  # extra variables of each render
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text to token ids; a BOS id is prepended when ``add_special_tokens``."""
@@ -60,6 +75,7 @@ class MockTokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+        self.template_kwargs.append(dict(kwargs))
         parts = []
         for message in messages:
             if not isinstance(message.get("content"), str):
@@ -109,6 +125,7 @@ class MockEngine:
         self._unhealthy = False
         self._stopping = False
         self._changed = threading.Condition()
+        self.num_running = 0  # streams between their first and last delta
 
     def start(self) -> None:
         """Mark the engine as serving."""
@@ -123,6 +140,10 @@ class MockEngine:
     def healthy(self) -> bool:
         """True between ``start`` and ``shutdown`` unless ``mark_unhealthy`` was called."""
         return self.started and not self._unhealthy
+
+    def stats(self) -> EngineStats:
+        """Running streams; the mock has no queue and no KV cache, so those counts are 0."""
+        return EngineStats(self.num_running, 0, 0, 0, 0)
 
     def mark_unhealthy(self) -> None:
         """Make ``healthy()`` return False (to test the health route)."""
@@ -164,12 +185,18 @@ class MockEngine:
         outside the vocabulary. Leaving the iteration early records ``request_id`` in ``aborted``.
         """
         self._validate(prompt_token_ids)
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= VOCAB_SIZE]
+        if bad_bias:
+            raise SamplingFieldError(
+                "logit_bias", f"logit_bias token id {bad_bias[0]} is outside [0, {VOCAB_SIZE})"
+            )
         self.requests.append(MockRequestRecord(request_id, tuple(prompt_token_ids), sampling))
         num_prompt = len(prompt_token_ids)
         reply = self._reply_ids(prompt_token_ids)
         limit = min(sampling.max_tokens, self.max_model_len - num_prompt)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finished = False
+        self.num_running += 1
         try:
             for step in range(limit):
                 await asyncio.sleep(self.token_delay_s)
@@ -184,10 +211,12 @@ class MockEngine:
                 if reason is None and step + 1 == limit:
                     reason = FinishReason.LENGTH
                 finished = reason is not None
-                yield GenerationDelta((token,), text, num_prompt, step + 1, reason)
+                logprobs = _mock_logprobs(token, sampling.logprobs)
+                yield GenerationDelta((token,), text, num_prompt, step + 1, reason, logprobs)
                 if finished:
                     return
         finally:
+            self.num_running -= 1
             if not finished:
                 self._record_abort(request_id)
 
@@ -202,6 +231,24 @@ class MockEngine:
             return [self.generate(prompt_token_ids, sampling, request_id)]
         return [self.generate(prompt_token_ids, sampling, f"{request_id}-{i}") for i in range(n)]
 
+    async def embed(self, inputs: list[list[int]], pooling: str) -> list[np.ndarray]:
+        """Deterministic ``[EMBED_DIM]`` vectors: the mean (or last) of a fixed random vector per
+        token id. Raises ValueError like ``EngineClient.embed``."""
+        if not self.started:
+            raise RuntimeError("MockEngine.embed called before start()")
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be mean or last, got {pooling!r}")
+        for ids in inputs:
+            if not 1 <= len(ids) <= self.max_model_len:
+                raise ValueError(
+                    f"an input has {len(ids)} tokens; embeddings take 1 to {self.max_model_len}"
+                )
+            if any(not 0 <= t < VOCAB_SIZE for t in ids):
+                raise ValueError(f"token ids must be in [0, {VOCAB_SIZE})")
+        table = np.random.default_rng(0).standard_normal((VOCAB_SIZE, EMBED_DIM)).astype(np.float32)
+        await asyncio.sleep(0)
+        return [table[ids].mean(axis=0) if pooling == "mean" else table[ids[-1]] for ids in inputs]
+
     def _record_abort(self, request_id: str) -> None:
         with self._changed:
             self.aborted.append(request_id)
@@ -215,3 +262,11 @@ def _next_token(reply: list[int], step: int, sampling: SamplingParams) -> int:
     if sampling.ignore_eos and reply:
         return reply[step % len(reply)]
     return EOS_ID
+
+
+def _mock_logprobs(token: int, k: int | None) -> tuple[TokenLogprobs, ...]:
+    """Fixed logprobs when asked: the token at -0.5, alternatives token+1, token+2, ... lower."""
+    if k is None:
+        return ()
+    top = tuple(((token + i) % VOCAB_SIZE, -0.5 - i) for i in range(k))
+    return (TokenLogprobs(token, -0.5, top),)

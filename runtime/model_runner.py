@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -19,16 +21,50 @@ from models.batch import StepBatch
 from models.registry import ModelSpec
 from pallas_kernels.paged_attention import KVCache
 from runtime.buckets import BucketPlan, pick
-from runtime.sampler import SamplingMetadata, sample
-from runtime.scheduler import ScheduledBatch, StepKind
+from runtime.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
+from runtime.sampler import (
+    BIAS_SLOTS,
+    MAX_LOGIT_BIAS,
+    SamplerOutput,
+    SamplingMetadata,
+    empty_sampling_metadata,
+    sample,
+)
+from runtime.scheduler import ScheduledBatch, ScheduledSeq, StepKind
+
+# The bias slots left for EOS ids, suppressed until min_tokens.
+MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
+
+
+@dataclass
+class StepResult:
+    """One step's sampled token per scheduled sequence, in order, and the requested logprobs."""
+
+    token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by request id
+
+    def logprobs_for(self, request_id: str) -> list[TokenLogprobs]:
+        """The request's logprobs for this step's token (empty when it did not ask)."""
+        entry = self.logprobs.get(request_id)
+        return [] if entry is None else [entry]
 
 
 class ModelRunner:
     """Owns the weights and the KV cache on device and runs steps."""
 
     def __init__(
-        self, spec: ModelSpec, config: Any, weights: Any, cache: KVCache, plan: BucketPlan
+        self,
+        spec: ModelSpec,
+        config: Any,
+        weights: Any,
+        cache: KVCache,
+        plan: BucketPlan,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        if len(self.eos_token_ids) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {eos_token_ids}")
+        self.vocab_size = int(config.vocab_size)
         self.config = config
         self.weights = weights
         self.cache = cache
@@ -50,15 +86,21 @@ class ModelRunner:
             self._compiled[shape] = self._step.lower(weights, cache, batch, meta).compile()
         return time.perf_counter() - t0
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Run one step; return the sampled token of every scheduled sequence, in order."""
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step; return the sampled token of every scheduled sequence, in order.
+
+        Logprobs are copied to the host only when a sequence that samples in this step asked.
+        """
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
         step = self._compiled.get(shape)
         if step is None:
             raise RuntimeError(f"step shape {shape} was not compiled at warmup")
-        tokens, self.cache = step(self.weights, self.cache, step_batch, meta)
-        return np.asarray(tokens)[: len(batch.items)].tolist()
+        out, self.cache = step(self.weights, self.cache, step_batch, meta)
+        result = StepResult(np.asarray(out.token_ids)[: len(batch.items)].tolist())
+        if np.any(meta.wants_logprobs):
+            result.logprobs = _host_logprobs(batch.items, out)
+        return result
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
         items = batch.items
@@ -73,24 +115,15 @@ class ModelRunner:
         q_lens = np.zeros(num_seqs, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         page_indices = np.zeros((num_seqs, pages), np.int32)
-        temperature = np.zeros(num_seqs, np.float32)
-        top_k = np.zeros(num_seqs, np.int32)
-        top_p = np.ones(num_seqs, np.float32)
-        seeds = np.zeros(num_seqs, np.uint32)
-        output_index = np.zeros(num_seqs, np.int32)
         for row, item in enumerate(items):
             seq, end = item.seq, item.start + item.length
             tokens[row, : item.length] = seq.token_slice(item.start, end)
             positions[row, : item.length] = np.arange(item.start, end)
             q_lens[row], kv_lens[row] = item.length, end
             page_indices[row, : len(seq.pages)] = seq.pages
-            sp = seq.sampling
-            temperature[row], top_k[row], top_p[row] = sp.temperature, sp.top_k, sp.top_p
-            seeds[row], output_index[row] = seq.seed, len(seq.output_ids)
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
-        meta = SamplingMetadata(temperature, top_k, top_p, seeds, output_index)
-        return step_batch, meta
+        return step_batch, _sampling_metadata(items, num_seqs, self.eos_token_ids)
 
 
 def _step(
@@ -105,6 +138,51 @@ def _step(
     return sample(logits, meta), cache
 
 
+def _sampling_metadata(
+    items: tuple[ScheduledSeq, ...], num_seqs: int, eos_token_ids: tuple[int, ...]
+) -> SamplingMetadata:
+    """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias."""
+    meta = empty_sampling_metadata(num_seqs)
+    for row, item in enumerate(items):
+        seq, sp = item.seq, item.seq.sampling
+        meta.temperature[row], meta.top_k[row], meta.top_p[row] = sp.temperature, sp.top_k, sp.top_p
+        meta.seeds[row], meta.output_index[row] = seq.seed, len(seq.output_ids)
+        meta.min_p[row] = sp.min_p
+        meta.presence_penalty[row] = sp.presence_penalty
+        meta.frequency_penalty[row] = sp.frequency_penalty
+        meta.repetition_penalty[row] = sp.repetition_penalty
+        meta.wants_logprobs[row] = sp.logprobs is not None and item.reaches_end
+        if sp.uses_penalties and item.reaches_end:
+            n = min(sp.repeat_last_n if sp.repeat_last_n > 0 else PENALTY_WINDOW, seq.num_tokens)
+            meta.history[row, PENALTY_WINDOW - n :] = seq.token_slice(
+                seq.num_tokens - n, seq.num_tokens
+            )
+            meta.num_output_in_history[row] = min(n, len(seq.output_ids))
+        bias = [(t, -np.inf if b <= -100.0 else b) for t, b in sp.logit_bias]
+        if len(seq.output_ids) < sp.min_tokens:
+            banned = sp.stop_token_ids + (() if sp.ignore_eos else eos_token_ids)
+            bias += [(t, -np.inf) for t in banned]
+        if bias:
+            ids, values = zip(*bias, strict=True)
+            meta.bias_ids[row, : len(ids)], meta.bias_values[row, : len(ids)] = ids, values
+    return meta
+
+
+def _host_logprobs(items: tuple[ScheduledSeq, ...], out: SamplerOutput) -> dict[str, TokenLogprobs]:
+    """Copy the logprobs of the rows that asked for them to the host."""
+    tokens, chosen = np.asarray(out.token_ids), np.asarray(out.logprobs)
+    top_ids, top_values = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    result = {}
+    for row, item in enumerate(items):
+        k = item.seq.sampling.logprobs
+        if k is None or not item.reaches_end:
+            continue
+        top = tuple(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(), strict=True))
+        entry = TokenLogprobs(int(tokens[row]), float(chosen[row]), top)
+        result[item.seq.request_id] = entry
+    return result
+
+
 def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, SamplingMetadata]:
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
@@ -115,11 +193,4 @@ def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, Sam
         zeros(num_seqs),
         zeros((num_seqs, pages)),
     )
-    meta = SamplingMetadata(
-        np.zeros(num_seqs, np.float32),
-        zeros(num_seqs),
-        np.ones(num_seqs, np.float32),
-        np.zeros(num_seqs, np.uint32),
-        zeros(num_seqs),
-    )
-    return batch, meta
+    return batch, empty_sampling_metadata(num_seqs)

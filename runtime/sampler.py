@@ -1,14 +1,29 @@
-"""On-device sampling with per-sequence temperature, top-k and top-p.
+"""On-device sampling with per-sequence penalties, logit bias, temperature, top-k, top-p, min-p.
 
 Every sequence draws from its own key, ``fold_in(PRNGKey(seed), output_index)``, so a request's
-samples do not depend on what else is in the batch.
+samples do not depend on what else is in the batch. The logits go through, per row:
+
+1. penalties over the recent-token window (``history``): repetition (prompt + output),
+   presence and frequency (output only);
+2. ``bias``: logit_bias entries, plus -inf on EOS/stop tokens while ``min_tokens`` is not reached;
+3. logprobs are taken here (log-softmax of these processed logits) when any row asks for them;
+4. temperature, top-k, top-p, min-p, then a categorical draw (argmax for temperature 0).
+
+Every per-step input has a fixed width (``PENALTY_WINDOW``, ``BIAS_SLOTS``), so no setting
+changes a compiled shape. Steps 1 and 3 are skipped under ``lax.cond`` when no row needs them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+from runtime.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, PENALTY_WINDOW
+
+# logit_bias entries + stop token ids + a few EOS ids, suppressed until min_tokens.
+BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 8
 
 
 @struct.dataclass
@@ -20,15 +35,113 @@ class SamplingMetadata:
     top_p: jax.Array  # [num_seqs] float32; 1.0 disables
     seeds: jax.Array  # [num_seqs] uint32
     output_index: jax.Array  # [num_seqs] int32, index of the token being sampled
+    min_p: jax.Array  # [num_seqs] float32; 0 disables
+    presence_penalty: jax.Array  # [num_seqs] float32
+    frequency_penalty: jax.Array  # [num_seqs] float32
+    repetition_penalty: jax.Array  # [num_seqs] float32; 1.0 disables
+    # The last tokens of prompt + output, most recent in the last column, -1 padding; only the
+    # last ``repeat_last_n`` are filled. Rows without penalties are all -1.
+    history: jax.Array  # [num_seqs, PENALTY_WINDOW] int32
+    num_output_in_history: jax.Array  # [num_seqs] int32; the trailing columns that are output
+    bias_ids: jax.Array  # [num_seqs, BIAS_SLOTS] int32, -1 padding
+    bias_values: jax.Array  # [num_seqs, BIAS_SLOTS] float32, -inf bans
+    wants_logprobs: jax.Array  # [num_seqs] bool
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:  # [num_seqs] int32
+@struct.dataclass
+class SamplerOutput:
+    """Sampled tokens and, when any row asked, their logprobs (zeros otherwise)."""
+
+    token_ids: jax.Array  # [num_seqs] int32
+    logprobs: jax.Array  # [num_seqs] float32, of the sampled token
+    top_ids: jax.Array  # [num_seqs, k] int32, most likely first; k = min(MAX_TOP_LOGPROBS, vocab)
+    top_logprobs: jax.Array  # [num_seqs, k] float32
+
+
+def empty_sampling_metadata(num_seqs: int) -> SamplingMetadata:
+    """Writable host (numpy) arrays of one batch bucket's sampling inputs, all padding: greedy,
+    no penalties, no bias, no logprobs."""
+    return SamplingMetadata(
+        temperature=np.zeros(num_seqs, np.float32),
+        top_k=np.zeros(num_seqs, np.int32),
+        top_p=np.ones(num_seqs, np.float32),
+        seeds=np.zeros(num_seqs, np.uint32),
+        output_index=np.zeros(num_seqs, np.int32),
+        min_p=np.zeros(num_seqs, np.float32),
+        presence_penalty=np.zeros(num_seqs, np.float32),
+        frequency_penalty=np.zeros(num_seqs, np.float32),
+        repetition_penalty=np.ones(num_seqs, np.float32),
+        history=np.full((num_seqs, PENALTY_WINDOW), -1, np.int32),
+        num_output_in_history=np.zeros(num_seqs, np.int32),
+        bias_ids=np.full((num_seqs, BIAS_SLOTS), -1, np.int32),
+        bias_values=np.zeros((num_seqs, BIAS_SLOTS), np.float32),
+        wants_logprobs=np.zeros(num_seqs, bool),
+    )
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` ([num_seqs, vocab], float32)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    processed = apply_bias(apply_penalties(logits, meta), meta)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     all_greedy = jnp.all(meta.temperature == 0.0)
     # The sort over the vocabulary is skipped entirely when every sequence is greedy.
-    sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_filtered(logits, meta))
-    return jnp.where(meta.temperature == 0.0, greedy, sampled)
+    sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_filtered(processed, meta))
+    tokens = jnp.where(meta.temperature == 0.0, greedy, sampled)
+    return _with_logprobs(processed, tokens, meta.wants_logprobs)
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Repetition penalty on tokens seen in ``history``; presence/frequency on its output part."""
+    active = (
+        (meta.repetition_penalty != 1.0)
+        | (meta.presence_penalty != 0.0)
+        | (meta.frequency_penalty != 0.0)
+    )
+
+    def penalize() -> jax.Array:
+        num_seqs, vocab = logits.shape
+        window = meta.history.shape[1]
+        rows = jnp.arange(num_seqs)[:, None]
+        ids = jnp.where(meta.history >= 0, meta.history, vocab)  # padding lands out of range
+        is_output = jnp.arange(window)[None, :] >= window - meta.num_output_in_history[:, None]
+        seen = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
+        counts = jnp.zeros(logits.shape, jnp.float32)
+        counts = counts.at[rows, ids].add(is_output.astype(jnp.float32), mode="drop")
+        rep = meta.repetition_penalty[:, None]
+        out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        out -= meta.frequency_penalty[:, None] * counts
+        return out - meta.presence_penalty[:, None] * (counts > 0)
+
+    return jax.lax.cond(jnp.any(active), penalize, lambda: logits)
+
+
+def apply_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Add ``bias_values`` at ``bias_ids`` (padding ids are -1 and dropped)."""
+    num_seqs, vocab = logits.shape
+    ids = jnp.where(meta.bias_ids >= 0, meta.bias_ids, vocab)
+    rows = jnp.arange(num_seqs)[:, None]
+    return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+
+
+def _with_logprobs(processed: jax.Array, tokens: jax.Array, wants: jax.Array) -> SamplerOutput:
+    num_seqs, vocab = processed.shape
+    k = min(MAX_TOP_LOGPROBS, vocab)
+
+    def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+        logprobs = jax.nn.log_softmax(processed, axis=-1)
+        top_values, top_ids = jax.lax.top_k(logprobs, k)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_values
+
+    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (
+            jnp.zeros(num_seqs, jnp.float32),
+            jnp.zeros((num_seqs, k), jnp.int32),
+            jnp.zeros((num_seqs, k), jnp.float32),
+        )
+
+    chosen, top_ids, top_values = jax.lax.cond(jnp.any(wants), compute, skip)
+    return SamplerOutput(tokens, chosen, top_ids, top_values)
 
 
 def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -44,6 +157,8 @@ def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < meta.top_p[:, None]
+    # min-p: drop tokens less likely than min_p times the most likely one (log(0) keeps all).
+    keep &= sorted_logits >= sorted_logits[:, :1] + jnp.log(meta.min_p)[:, None]
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
         meta.seeds, meta.output_index

@@ -125,7 +125,9 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
-        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+        stops = (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids
+        # The sampler suppresses stop tokens before min_tokens; this guards the count anyway.
+        if stops and len(seq.output_ids) > sp.min_tokens:
             return FinishReason.STOP
         if len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -50,6 +50,7 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
         self.chat_template = chat_template
+        self.reasoning_markers = detect_reasoning_markers(hf_tokenizer.get_vocab(), chat_template)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:
@@ -170,6 +171,21 @@ class IncrementalDecoder:
         else:
             self._held_emitted += len(delta)
         return delta
+
+
+# Think markers of reasoning models (DeepSeek-R1, Qwen3, QwQ, ...), as (start, end).
+REASONING_MARKERS = (("<think>", "</think>"),)
+
+
+def detect_reasoning_markers(
+    vocab: dict[str, int], chat_template: str | None
+) -> tuple[str, str] | None:
+    """The model's think markers: a known pair whose both halves are tokens of its vocabulary,
+    or appear in its chat template; None for a model without them."""
+    for start, end in REASONING_MARKERS:
+        if (start in vocab and end in vocab) or (chat_template and end in chat_template):
+            return start, end
+    return None
 
 
 def _default_template(hf: Any) -> str | None:

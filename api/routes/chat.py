@@ -9,9 +9,13 @@ from typing import Any
 
 from litestar import Request, Response, post
 
+from api.config import ServerConfig
+from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
 from api.generation import start_generation
+from api.logprobs import chat_logprobs
+from api.metrics import Metrics
 from api.prompts import chat_prompt_ids
 from api.protocol import (
     AssistantMessage,
@@ -23,6 +27,7 @@ from api.protocol import (
     ChatDelta,
     Usage,
 )
+from api.reasoning import split_reasoning
 from api.streaming import sse_response
 from api.validation import (
     build_sampling,
@@ -31,6 +36,8 @@ from api.validation import (
     decode_body,
     resolve_max_tokens,
 )
+from runtime.interface import TokenizerLike
+from runtime.request import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,27 @@ class ChatChunks:
     id: str
     created: int
     model: str
+    tokenizer: TokenizerLike | None = None  # set when the request asked for logprobs
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> ChatCompletionChunk:
+    def _chunk(
+        self,
+        delta: ChatDelta,
+        finish_reason: str | None = None,
+        logprobs: tuple[TokenLogprobs, ...] = (),
+    ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+        if self.tokenizer is not None:
+            choice.logprobs = chat_logprobs(self.tokenizer, logprobs)
         return ChatCompletionChunk(self.id, self.created, self.model, [choice])
 
     def opening(self) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(role="assistant", content=""))
 
-    def text(self, text: str) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(content=text))
+    def text(self, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(content=text), logprobs=logprobs)
+
+    def reasoning(self, text: str) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(reasoning_content=text, reasoning=text))
 
     def finish(self, finish_reason: str) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(), finish_reason)
@@ -60,7 +78,7 @@ class ChatChunks:
 
 @post("/v1/chat/completions", status_code=200)
 async def create_chat_completion(
-    request: Request[Any, Any, Any], engine: EngineDep
+    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
 ) -> Response[Any]:
     """OpenAI chat completions; see ``ChatCompletionRequest`` for the accepted fields.
 
@@ -68,11 +86,13 @@ async def create_chat_completion(
     context, 404 for another model name, 503 when the engine shuts down mid-request.
     """
     body = decode_body(await request.body(), ChatCompletionRequest)
-    check_model(body.model, engine.model_name)
+    check_model(body.model, config.model_names(engine.model_name))
     check_supported(body)
+    body = with_sampling_defaults(body, config.sampling_defaults)
     prompt_ids = await chat_prompt_ids(engine.tokenizer, body)
+    requested = body.max_completion_tokens or body.max_tokens
     max_tokens = resolve_max_tokens(
-        body.max_completion_tokens or body.max_tokens,
+        completion_budget(requested, len(prompt_ids), engine.max_model_len, config, None),
         len(prompt_ids),
         engine.max_model_len,
         "messages",
@@ -81,11 +101,18 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     generation = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings()
+        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics
     )
+    generation = split_reasoning(engine.tokenizer, prompt_ids, generation)
     if body.stream:
-        chunks = ChatChunks(request_id, created, engine.model_name)
+        tokenizer = engine.tokenizer if sampling.logprobs is not None else None
+        chunks = ChatChunks(request_id, created, engine.model_name, tokenizer)
         return sse_response(generation, chunks, body.wants_usage_chunk())
     result = await cancel_on_disconnect(request, generation.collect())
-    choice = ChatChoice(0, AssistantMessage(result.text), result.finish_reason)
+    message = AssistantMessage(result.text)
+    if engine.tokenizer.reasoning_markers is not None:
+        message.reasoning_content = message.reasoning = result.reasoning
+    choice = ChatChoice(0, message, result.finish_reason)
+    if sampling.logprobs is not None:
+        choice.logprobs = chat_logprobs(engine.tokenizer, result.logprobs)
     return Response(ChatCompletion(request_id, created, engine.model_name, [choice], result.usage))

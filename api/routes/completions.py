@@ -9,9 +9,13 @@ from typing import Any
 
 from litestar import Request, Response, post
 
+from api.config import ServerConfig
+from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
 from api.generation import start_generation
+from api.logprobs import completion_logprobs
+from api.metrics import Metrics
 from api.prompts import completion_prompt_ids
 from api.protocol import Completion, CompletionChoice, CompletionRequest, Usage
 from api.streaming import sse_response
@@ -22,28 +26,37 @@ from api.validation import (
     decode_body,
     resolve_max_tokens,
 )
+from runtime.interface import TokenizerLike
+from runtime.request import TokenLogprobs
 
 # OpenAI's legacy completions default, unlike chat, which may use the whole remaining context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompletionChunks:
     """Streamed ``text_completion`` objects for one response."""
 
     id: str
     created: int
     model: str
+    tokenizer: TokenizerLike | None = None  # set when the request asked for logprobs
+    text_offset: int = 0  # characters sent so far, for the logprobs' text_offset
 
-    def _chunk(self, text: str, finish_reason: str | None = None) -> Completion:
+    def _chunk(
+        self, text: str, finish_reason: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()
+    ) -> Completion:
         choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+        if self.tokenizer is not None:
+            choice.logprobs = completion_logprobs(self.tokenizer, logprobs, self.text_offset)
+            self.text_offset += len(text)
         return Completion(self.id, self.created, self.model, [choice])
 
     def opening(self) -> None:
         return None
 
-    def text(self, text: str) -> Completion:
-        return self._chunk(text)
+    def text(self, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> Completion:
+        return self._chunk(text, logprobs=logprobs)
 
     def finish(self, finish_reason: str) -> Completion:
         return self._chunk("", finish_reason)
@@ -53,30 +66,38 @@ class CompletionChunks:
 
 
 @post("/v1/completions", status_code=200)
-async def create_completion(request: Request[Any, Any, Any], engine: EngineDep) -> Response[Any]:
+async def create_completion(
+    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
+) -> Response[Any]:
     """OpenAI (legacy) completions; see ``CompletionRequest`` for the accepted fields.
 
     ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves.
     """
     body = decode_body(await request.body(), CompletionRequest)
-    check_model(body.model, engine.model_name)
+    check_model(body.model, config.model_names(engine.model_name))
     check_supported(body)
+    body = with_sampling_defaults(body, config.sampling_defaults)
     prompt_ids = await completion_prompt_ids(engine.tokenizer, body)
-    requested = body.max_tokens
-    if requested is None:
-        requested = min(
-            DEFAULT_COMPLETION_MAX_TOKENS, max(1, engine.max_model_len - len(prompt_ids))
-        )
+    requested = completion_budget(
+        body.max_tokens,
+        len(prompt_ids),
+        engine.max_model_len,
+        config,
+        DEFAULT_COMPLETION_MAX_TOKENS,
+    )
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), engine.max_model_len, "prompt")
     sampling = build_sampling(body, max_tokens)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     generation = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings()
+        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics
     )
     if body.stream:
-        chunks = CompletionChunks(request_id, created, engine.model_name)
+        tokenizer = engine.tokenizer if sampling.logprobs is not None else None
+        chunks = CompletionChunks(request_id, created, engine.model_name, tokenizer)
         return sse_response(generation, chunks, body.wants_usage_chunk())
     result = await cancel_on_disconnect(request, generation.collect())
     choice = CompletionChoice(0, result.text, result.finish_reason)
+    if sampling.logprobs is not None:
+        choice.logprobs = completion_logprobs(engine.tokenizer, result.logprobs)
     return Response(Completion(request_id, created, engine.model_name, [choice], result.usage))

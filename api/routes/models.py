@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /v1/models/{model}: the one model this server serves."""
+"""GET /v1/models and GET /v1/models/{model}: the served model, once per served name."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ from api.protocol import ModelCard, ModelList
 
 
 @get("/v1/models", sync_to_thread=False)
-def list_models(model_card: ModelCard) -> ModelList:
-    """The OpenAI model list, holding the served model."""
-    return ModelList(data=[model_card])
+def list_models(model_cards: list[ModelCard]) -> ModelList:
+    """The OpenAI model list: one card per served name, the reported name first."""
+    return ModelList(data=model_cards)
 
 
 @get("/v1/models/{model:path}", sync_to_thread=False)
-def retrieve_model(model: str, model_card: ModelCard) -> ModelCard:
-    """The served model's card; any other name is a 404 ``model_not_found``."""
+def retrieve_model(model: str, model_cards: list[ModelCard]) -> ModelCard:
+    """The card of a served name; any other name is a 404 ``model_not_found``."""
     name = model.lstrip("/")
-    if name != model_card.id:
-        raise APIError(
-            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-        )
-    return model_card
+    for card in model_cards:
+        if card.id == name:
+            return card
+    raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")

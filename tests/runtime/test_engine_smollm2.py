@@ -181,3 +181,27 @@ def test_finish_reasons_and_page_release(engine):
     assert asyncio.run(run())[-1] is FinishReason.LENGTH
     sched = engine.scheduler
     assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+async def collect_n(engine, ids: list[int], sampling: SamplingParams, n: int) -> list[list[int]]:
+    async def one(stream) -> list[int]:
+        out: list[int] = []
+        async for delta in stream:
+            out += delta.token_ids
+        return out
+
+    return await asyncio.gather(*(one(s) for s in engine.generate_n(ids, sampling, "n", n)))
+
+
+def test_n_greedy_samples_equal_the_single_answer_and_free_every_page(engine):
+    ids = chat_ids(engine, PROMPTS[1])
+    single = asyncio.run(collect(engine, ids, "single"))
+    outs = asyncio.run(collect_n(engine, ids, SamplingParams(temperature=0.0, max_tokens=32), 3))
+    assert outs == [single] * 3
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
+
+
+def test_n_sampled_completions_differ(engine):
+    ids = chat_ids(engine, PROMPTS[6])
+    outs = asyncio.run(collect_n(engine, ids, SamplingParams(temperature=1.0, max_tokens=24), 4))
+    assert len({tuple(o) for o in outs}) > 1, "each fork draws from its own seed"

@@ -1,17 +1,19 @@
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampler import SamplingMetadata, sample
+from runtime.sampler import empty_sampling_metadata
+from runtime.sampler import sample as sample_output
 
 
 def meta(n, temperature=0.0, top_k=0, top_p=1.0, seeds=None, index=0):
-    return SamplingMetadata(
-        temperature=jnp.full(n, temperature, jnp.float32),
-        top_k=jnp.full(n, top_k, jnp.int32),
-        top_p=jnp.full(n, top_p, jnp.float32),
-        seeds=jnp.asarray(seeds if seeds is not None else np.arange(n), jnp.uint32),
-        output_index=jnp.full(n, index, jnp.int32),
-    )
+    m = empty_sampling_metadata(n)
+    m.temperature[:], m.top_k[:], m.top_p[:], m.output_index[:] = temperature, top_k, top_p, index
+    m.seeds[:] = seeds if seeds is not None else np.arange(n)
+    return m
+
+
+def sample(logits, m):
+    return sample_output(logits, m).token_ids
 
 
 def test_greedy_is_argmax():

@@ -34,6 +34,9 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return 257
 
+    def get_vocab(self) -> dict[str, int]:
+        return {"</s>": 256}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -1,0 +1,126 @@
+"""The HTTP server's settings: names, auth, CORS, request caps and server-side sampling defaults.
+
+Precedence for a sampling setting: the request's field > the ``runtime-serve`` flag > the model's
+``generation_config.json`` > OpenAI's default. ``SamplingDefaults.over`` layers the flag values
+over the generation_config ones; ``api.defaults`` fills a request's absent fields from the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+
+# generation_config.json key -> SamplingDefaults field (HF transformers' names).
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Values used when a request omits the field; ``None`` leaves OpenAI's default in place.
+
+    ``max_tokens`` is the default completion budget (candle-vllm's ``--max-gen-tokens``), still
+    capped by what the context leaves after the prompt.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": lambda v: v >= 0,
+            "top_p": lambda v: 0 < v <= 1,
+            "top_k": lambda v: v >= -1,
+            "min_p": lambda v: 0 <= v <= 1,
+            "frequency_penalty": lambda v: -2 <= v <= 2,
+            "presence_penalty": lambda v: -2 <= v <= 2,
+            "max_tokens": lambda v: v >= 1,
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or not ok(value)):
+                raise ValueError(f"default {name} is out of range: {value}")
+
+    def over(self, base: SamplingDefaults) -> SamplingDefaults:
+        """These values where set, ``base``'s elsewhere (flags over generation_config)."""
+        mine = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(base, **{k: v for k, v in mine.items() if v is not None})
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any]) -> SamplingDefaults:
+        """The sampling values of an HF ``generation_config.json``; other keys are ignored.
+
+        A model that does not sample by default (``do_sample`` false) gets temperature 0 unless
+        the file sets none of the sampling values. Values out of range raise ValueError.
+        """
+        values: dict[str, Any] = {}
+        for key, name in _GENERATION_CONFIG_KEYS.items():
+            value = config.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+        if values.get("top_k") == 0:
+            values.pop("top_k")  # HF's "disabled"; our default already disables it
+        if config.get("do_sample") is False and "temperature" in values:
+            values["temperature"] = 0.0
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``create_app`` needs besides the engine.
+
+    ``served_model_names``: names requests may use; the first is reported in responses. Empty
+    means the engine's ``model_name`` only. ``api_key``: when set, ``/v1/*``, ``/tokenize`` and
+    ``/detokenize`` need ``Authorization: Bearer <key>``. ``allowed_origins``: CORS is off when
+    empty. ``max_completion_tokens_cap``: None means ``max_model_len``.
+    """
+
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_n: int = DEFAULT_MAX_N
+    max_completion_tokens_cap: int | None = None
+    max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    def __post_init__(self) -> None:
+        if any(not name for name in self.served_model_names):
+            raise ValueError("served model names must not be empty")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError(f"served model names repeat: {list(self.served_model_names)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key must not be empty or blank")
+        if any(not origin for origin in self.allowed_origins):
+            raise ValueError("allowed origins must not be empty")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_completion_tokens_cap is not None and self.max_completion_tokens_cap < 1:
+            raise ValueError(
+                f"max_completion_tokens_cap must be >= 1, got {self.max_completion_tokens_cap}"
+            )
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
+
+    def model_names(self, engine_model_name: str) -> tuple[str, ...]:
+        """The accepted names, the reported one first."""
+        return self.served_model_names or (engine_model_name,)

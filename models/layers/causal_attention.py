@@ -1,0 +1,55 @@
+"""Plain causal self-attention over the given tokens only, without the paged KV cache.
+
+Used where a forward must leave the cache untouched (embeddings): every sequence attends to its
+own first ``lengths`` tokens, causally.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.layers.attention import AttentionConfig
+from models.layers.linear import linear
+from models.layers.rotary import apply_rope
+
+
+def causal_self_attention(
+    cfg: AttentionConfig,
+    x: jax.Array,  # [num_seqs, seq_len, hidden]
+    wq: jax.Array,  # [hidden, num_heads * head_dim]
+    wk: jax.Array,  # [hidden, num_kv_heads * head_dim]
+    wv: jax.Array,  # [hidden, num_kv_heads * head_dim]
+    wo: jax.Array,  # [num_heads * head_dim, hidden]
+    positions: jax.Array,  # [num_seqs, seq_len] int32
+    lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
+) -> jax.Array:  # [num_seqs, seq_len, hidden]
+    """Project, rotate, attend causally within each sequence's valid tokens, project out.
+
+    Padding queries (index >= length) still see key 0, so they stay finite; their outputs are
+    never read.
+    """
+    num_seqs, seq_len, _ = x.shape
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = linear(x, wq).reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
+    k = linear(x, wk).reshape(num_seqs, seq_len, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, wv).reshape(num_seqs, seq_len, cfg.num_kv_heads, cfg.head_dim)
+    q = apply_rope(q.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim), positions, cfg.rope)
+    q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
+    k = apply_rope(k, positions, cfg.rope)
+    scores = jnp.einsum(
+        "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
+    )  # [num_seqs, num_kv_heads, group, seq_len, seq_len]
+    scores = scores * cfg.scale
+    if cfg.soft_cap is not None:
+        scores = cfg.soft_cap * jnp.tanh(scores / cfg.soft_cap)
+    idx = jnp.arange(seq_len)
+    mask = idx[None, :] <= idx[:, None]  # [q, s] causal
+    if cfg.sliding_window is not None:
+        mask &= idx[:, None] - idx[None, :] < cfg.sliding_window
+    mask = mask[None] & (idx < lengths[:, None])[:, None, :]  # [num_seqs, q, s]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
+    out = out.reshape(num_seqs, seq_len, cfg.num_heads * cfg.head_dim)
+    return linear(out, wo)

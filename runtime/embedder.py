@@ -1,0 +1,122 @@
+"""Pooled embeddings from the model's final hidden states, through fixed, precompiled shapes.
+
+An input of ``n`` tokens is padded to the smallest length bucket ``>= n`` (``[1, L]``, L growing
+by 4x up to ``max_model_len``) and runs one jitted forward that reads no KV cache and writes none,
+so it can run between engine steps without disturbing running sequences. Both poolings come back
+from the one call (mean over the valid tokens, and the last valid token), as float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from models.registry import ModelSpec
+from runtime.buckets import pick
+
+Pooling = Literal["mean", "last"]
+POOLINGS: tuple[Pooling, ...] = ("mean", "last")
+
+
+class EmbeddingRunner:
+    """Runs the embedding forward over the weights a ``ModelRunner`` owns (shared, read-only)."""
+
+    def __init__(self, spec: ModelSpec, config: Any, weights: Any, max_model_len: int) -> None:
+        if spec.hidden_states is None:
+            raise ValueError(f"{spec.hf_architecture} has no hidden_states forward for embeddings")
+        self.weights = weights
+        self.lengths = embedding_lengths(max_model_len)
+        self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config))
+        self._compiled: dict[int, Any] = {}
+
+    def warmup(self) -> float:
+        """Compile every length bucket from abstract shapes; returns the seconds taken."""
+        t0 = time.perf_counter()
+        weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.weights)
+        for length in tqdm(self.lengths, desc="Compiling embeddings", unit="shape"):
+            tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+            n = jax.ShapeDtypeStruct((1,), jnp.int32)
+            self._compiled[length] = self._pool.lower(weights, tokens, n).compile()
+        return time.perf_counter() - t0
+
+    def embed(self, token_ids: list[int], pooling: Pooling) -> np.ndarray:  # [hidden] float32
+        """The pooled, unnormalised embedding of one input (``1 <= len <= max_model_len``)."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        length = pick(self.lengths, len(token_ids))
+        pool = self._compiled.get(length)
+        if pool is None:
+            raise RuntimeError(f"embedding length {length} was not compiled at warmup")
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(token_ids)] = token_ids
+        mean, last = pool(self.weights, tokens, np.array([len(token_ids)], np.int32))
+        return np.asarray(mean if pooling == "mean" else last)[0]
+
+
+def embedding_lengths(max_model_len: int) -> tuple[int, ...]:
+    """The length buckets: 16, 64, 256, ... (4x), always ending with ``max_model_len``."""
+    lengths, n = [], 16
+    while n < max_model_len:
+        lengths.append(n)
+        n *= 4
+    return (*lengths, max_model_len)
+
+
+def _pool(
+    hidden_states: Any,
+    config: Any,
+    weights: Any,
+    tokens: jax.Array,  # [num_seqs, seq_len] int32
+    lengths: jax.Array,  # [num_seqs] int32
+) -> tuple[jax.Array, jax.Array]:  # mean, last: [num_seqs, hidden] float32
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    h = hidden_states(config, weights, tokens, positions, lengths)
+    valid = (positions < lengths[:, None]).astype(jnp.float32)[..., None]
+    mean = jnp.sum(h * valid, axis=1) / jnp.maximum(lengths, 1)[:, None].astype(jnp.float32)
+    last = h[jnp.arange(h.shape[0]), jnp.maximum(lengths - 1, 0)]
+    return mean, last
+
+
+class EmbedJob:
+    """A batch of inputs to embed on the engine loop thread, answered on the caller's event loop.
+
+    The loop thread calls ``run`` between steps (so the forward never races a step for the
+    device); the result or the error is handed to ``future`` with ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, inputs: list[list[int]], pooling: Pooling) -> None:
+        self.inputs = inputs
+        self.pooling = pooling
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[list[np.ndarray]] = self.loop.create_future()
+
+    def run(self, runner: EmbeddingRunner) -> None:
+        """Embed every input (loop thread); never raises, errors go to the future."""
+        if self.future.cancelled():  # the caller left; skip the work
+            return
+        try:
+            result = [runner.embed(ids, self.pooling) for ids in self.inputs]
+        except Exception as exc:  # the caller raises it; the engine loop carries on
+            self.loop.call_soon_threadsafe(_resolve, self.future, None, exc)
+            return
+        self.loop.call_soon_threadsafe(_resolve, self.future, result, None)
+
+
+def _resolve(
+    future: asyncio.Future[list[np.ndarray]],
+    result: list[np.ndarray] | None,
+    error: Exception | None,
+) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result or [])

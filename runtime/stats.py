@@ -1,0 +1,30 @@
+"""A read-only snapshot of the engine's load, for ``/metrics`` and monitoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counts at one moment; pages are KV cache pages (``num_pages_total - num_pages_free`` used)."""
+
+    num_running: int
+    num_waiting: int
+    num_pages_total: int
+    num_pages_free: int
+    num_preemptions: int  # since start, monotonic
+
+    def __post_init__(self) -> None:
+        for name in ("num_running", "num_waiting", "num_pages_total", "num_pages_free"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_pages_free > self.num_pages_total:
+            raise ValueError(
+                f"num_pages_free ({self.num_pages_free}) exceeds num_pages_total "
+                f"({self.num_pages_total})"
+            )
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.num_pages_total - self.num_pages_free
