@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request
 from api.logprobs import LogprobAligner
 from api.metrics import Metrics
-from api.protocol import Usage
+from api.protocol import CompletionTokensDetails, Usage
 from api.stop import StopStringMatcher
 from api.timing import RequestTiming
 from runtime.interface import EngineClient
@@ -166,30 +167,32 @@ async def start_generation(
     request_id: str,
     stop: tuple[str, ...],
     metrics: Metrics | None = None,
-) -> Generation:
-    """Submit to the engine and wait for the first delta.
+    n: int = 1,
+) -> list[Generation]:
+    """Submit ``n`` completions of the prompt and wait for the first delta of each.
 
     Raises APIError(400) when the engine rejects the prompt, ClientDisconnectedError when the
-    client leaves first (the engine request is aborted), APIError(503) when the engine is not
+    client leaves first (the engine requests are aborted), APIError(503) when the engine is not
     running or shuts down.
     """
     if not engine.healthy():
         raise APIError(503, "The engine is not running.", code="engine_unhealthy")
     timing = RequestTiming()
     try:
-        deltas = engine.generate(prompt_ids, sampling, request_id)
+        streams = engine.generate_n(prompt_ids, sampling, request_id, n)
     except SamplingFieldError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     except ValueError as exc:
         raise bad_request(str(exc), code="invalid_prompt") from None
 
-    async def first_delta() -> GenerationDelta:
-        return await anext(deltas)
+    async def first_deltas() -> list[GenerationDelta]:
+        return list(await asyncio.gather(*(anext(s) for s in streams)))
 
     try:
-        first = await cancel_on_disconnect(request, first_delta())
+        firsts = await cancel_on_disconnect(request, first_deltas())
     except BaseException as exc:
-        await _close(deltas)
+        for stream in streams:
+            await _close(stream)
         if isinstance(exc, SamplingFieldError):
             raise bad_request(str(exc), param=exc.param) from None
         if isinstance(exc, ValueError):
@@ -198,4 +201,28 @@ async def start_generation(
             raise EngineStreamError("the engine stream ended before its first delta") from None
         raise
     timing.mark_first_token()
-    return Generation(deltas, first, stop, timing, metrics)
+    return [
+        Generation(stream, first, stop, timing, metrics)
+        for stream, first in zip(streams, firsts, strict=True)
+    ]
+
+
+async def collect_all(choices: list[Any]) -> list[TextPiece]:
+    """Every choice's whole completion (each has ``collect()``), as one cancellable coroutine."""
+    return list(await asyncio.gather(*(choice.collect() for choice in choices)))
+
+
+def merge_usage(usages: list[Usage]) -> Usage:
+    """One usage for ``n`` completions of one prompt: the prompt counts once."""
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    reasoning = sum(u.completion_tokens_details.reasoning_tokens for u in usages)
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=first.prompt_tokens_details,
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
+        prompt_time_costs=first.prompt_time_costs,
+        completion_time_costs=max(u.completion_time_costs for u in usages),
+    )

@@ -13,8 +13,9 @@ stream and aborts the sequence deterministically rather than whenever it is garb
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
 import msgspec
@@ -22,13 +23,21 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from api.errors import APIError
-from api.generation import Generation
+from api.generation import TextPiece, merge_usage
 from api.protocol import Usage
 from runtime.request import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 DONE = "[DONE]"
+
+
+class Pieces(Protocol):
+    """A choice's text pieces (``Generation``, or its reasoning-splitting wrapper)."""
+
+    def pieces(self) -> AsyncIterator[TextPiece]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ChunkFactory(Protocol):
@@ -62,34 +71,73 @@ def _event(data: msgspec.Struct | str) -> ServerSentEventMessage:
 
 
 async def _events(
-    generation: Generation, chunks: ChunkFactory, include_usage: bool
+    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool
 ) -> AsyncGenerator[ServerSentEventMessage, None]:
     try:
-        opening = chunks.opening()
-        if opening is not None:
-            yield _event(opening)
-        async for piece in generation.pieces():
+        for _, chunks in choices:
+            opening = chunks.opening()
+            if opening is not None:
+                yield _event(opening)
+        usages: list[Usage] = []
+        async for index, piece in _merge([generation.pieces() for generation, _ in choices]):
+            chunks = choices[index][1]
             if piece.reasoning:
                 yield _event(chunks.reasoning(piece.reasoning))
             if piece.text or piece.logprobs:
                 yield _event(chunks.text(piece.text, piece.logprobs))
             if piece.finish_reason is not None:
                 yield _event(chunks.finish(piece.finish_reason))
-                if include_usage:
-                    yield _event(chunks.usage(piece.usage))
+                usages.append(piece.usage)
+        if include_usage:
+            yield _event(choices[0][1].usage(merge_usage(usages)))
     except APIError as exc:
         yield _event(exc.body())
     except Exception as exc:  # the stream is the only channel left to tell the client
         logger.exception("error while streaming a completion", exc_info=exc)
         yield _event(APIError(500, "The server had an error while streaming the response.").body())
     finally:
-        await generation.aclose()
+        for generation, _ in choices:
+            await generation.aclose()
     yield _event(DONE)
 
 
+async def _merge(
+    iterators: list[AsyncIterator[TextPiece]],
+) -> AsyncGenerator[tuple[int, TextPiece], None]:
+    """Pieces of several choices as they come, tagged with the choice index."""
+    if len(iterators) == 1:  # the common case needs no tasks
+        async for piece in iterators[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, TextPiece | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, iterator: AsyncIterator[TextPiece]) -> None:
+        try:
+            async for piece in iterator:
+                queue.put_nowait((index, piece, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, piece, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if piece is None:
+                remaining -= 1
+            else:
+                yield index, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def sse_response(
-    generation: Generation, chunks: ChunkFactory, include_usage: bool
+    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool
 ) -> ServerSentEvent:
-    """A ``text/event-stream`` response streaming ``generation`` through ``chunks``."""
-    events = _events(generation, chunks, include_usage)
+    """A ``text/event-stream`` response streaming each choice's pieces through its chunk factory."""
+    events = _events(choices, include_usage)
     return ServerSentEvent(events, background=BackgroundTask(events.aclose))

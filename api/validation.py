@@ -62,9 +62,7 @@ def _is_default(value: Any, *defaults: Any) -> bool:
     return value is None or any(value == d for d in defaults)
 
 
-_COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: _is_default(v, 1),
-}
+_COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {}
 _CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: _is_default(v, {"type": "text"}),
     "tools": lambda v: not v,
@@ -85,6 +83,14 @@ def check_supported(body: SamplingFields) -> None:
     for name, is_default in {**_COMMON_DEFAULTS, **extra}.items():
         if not is_default(getattr(body, name)):
             raise not_supported(name)
+
+
+def resolve_n(n: int | None, max_n: int) -> int:
+    """The number of choices; above the server's cap is a 400 naming ``n``."""
+    n = 1 if n is None else n
+    if n > max_n:
+        raise bad_request(f"n must be at most {max_n} on this server, got {n}", param="n")
+    return n
 
 
 def context_length_error(

@@ -13,7 +13,7 @@ from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
-from api.generation import start_generation
+from api.generation import collect_all, merge_usage, start_generation
 from api.logprobs import chat_logprobs
 from api.metrics import Metrics
 from api.prompts import chat_prompt_ids
@@ -35,6 +35,7 @@ from api.validation import (
     check_supported,
     decode_body,
     resolve_max_tokens,
+    resolve_n,
 )
 from runtime.interface import TokenizerLike
 from runtime.request import TokenLogprobs
@@ -48,6 +49,7 @@ class ChatChunks:
     created: int
     model: str
     tokenizer: TokenizerLike | None = None  # set when the request asked for logprobs
+    index: int = 0  # the choice (n > 1)
 
     def _chunk(
         self,
@@ -55,7 +57,7 @@ class ChatChunks:
         finish_reason: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+        choice = ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish_reason)
         if self.tokenizer is not None:
             choice.logprobs = chat_logprobs(self.tokenizer, logprobs)
         return ChatCompletionChunk(self.id, self.created, self.model, [choice])
@@ -100,19 +102,26 @@ async def create_chat_completion(
     sampling = build_sampling(body, max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    generation = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics
+    n = resolve_n(body.n, config.max_n)
+    generations = await start_generation(
+        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )
-    generation = split_reasoning(engine.tokenizer, prompt_ids, generation)
+    choices = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
+    tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:
-        tokenizer = engine.tokenizer if sampling.logprobs is not None else None
-        chunks = ChatChunks(request_id, created, engine.model_name, tokenizer)
-        return sse_response(generation, chunks, body.wants_usage_chunk())
-    result = await cancel_on_disconnect(request, generation.collect())
-    message = AssistantMessage(result.text)
-    if engine.tokenizer.reasoning_markers is not None:
-        message.reasoning_content = message.reasoning = result.reasoning
-    choice = ChatChoice(0, message, result.finish_reason)
-    if sampling.logprobs is not None:
-        choice.logprobs = chat_logprobs(engine.tokenizer, result.logprobs)
-    return Response(ChatCompletion(request_id, created, engine.model_name, [choice], result.usage))
+        factories = [
+            ChatChunks(request_id, created, engine.model_name, tokenizer, i) for i in range(n)
+        ]
+        return sse_response(list(zip(choices, factories, strict=True)), body.wants_usage_chunk())
+    results = await cancel_on_disconnect(request, collect_all(choices))
+    out = []
+    for index, result in enumerate(results):
+        message = AssistantMessage(result.text)
+        if engine.tokenizer.reasoning_markers is not None:
+            message.reasoning_content = message.reasoning = result.reasoning
+        choice = ChatChoice(index, message, result.finish_reason)
+        if tokenizer is not None:
+            choice.logprobs = chat_logprobs(tokenizer, result.logprobs)
+        out.append(choice)
+    usage = merge_usage([r.usage for r in results])
+    return Response(ChatCompletion(request_id, created, engine.model_name, out, usage))

@@ -13,7 +13,7 @@ from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
-from api.generation import start_generation
+from api.generation import collect_all, merge_usage, start_generation
 from api.logprobs import completion_logprobs
 from api.metrics import Metrics
 from api.prompts import completion_prompt_ids
@@ -25,6 +25,7 @@ from api.validation import (
     check_supported,
     decode_body,
     resolve_max_tokens,
+    resolve_n,
 )
 from runtime.interface import TokenizerLike
 from runtime.request import TokenLogprobs
@@ -42,11 +43,12 @@ class CompletionChunks:
     model: str
     tokenizer: TokenizerLike | None = None  # set when the request asked for logprobs
     text_offset: int = 0  # characters sent so far, for the logprobs' text_offset
+    index: int = 0  # the choice (n > 1)
 
     def _chunk(
         self, text: str, finish_reason: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()
     ) -> Completion:
-        choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(index=self.index, text=text, finish_reason=finish_reason)
         if self.tokenizer is not None:
             choice.logprobs = completion_logprobs(self.tokenizer, logprobs, self.text_offset)
             self.text_offset += len(text)
@@ -89,15 +91,25 @@ async def create_completion(
     sampling = build_sampling(body, max_tokens)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    generation = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics
+    n = resolve_n(body.n, config.max_n)
+    generations = await start_generation(
+        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )
+    tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:
-        tokenizer = engine.tokenizer if sampling.logprobs is not None else None
-        chunks = CompletionChunks(request_id, created, engine.model_name, tokenizer)
-        return sse_response(generation, chunks, body.wants_usage_chunk())
-    result = await cancel_on_disconnect(request, generation.collect())
-    choice = CompletionChoice(0, result.text, result.finish_reason)
-    if sampling.logprobs is not None:
-        choice.logprobs = completion_logprobs(engine.tokenizer, result.logprobs)
-    return Response(Completion(request_id, created, engine.model_name, [choice], result.usage))
+        factories = [
+            CompletionChunks(request_id, created, engine.model_name, tokenizer, index=i)
+            for i in range(n)
+        ]
+        return sse_response(
+            list(zip(generations, factories, strict=True)), body.wants_usage_chunk()
+        )
+    results = await cancel_on_disconnect(request, collect_all(generations))
+    choices = []
+    for index, result in enumerate(results):
+        choice = CompletionChoice(index, result.text, result.finish_reason)
+        if tokenizer is not None:
+            choice.logprobs = completion_logprobs(tokenizer, result.logprobs)
+        choices.append(choice)
+    usage = merge_usage([r.usage for r in results])
+    return Response(Completion(request_id, created, engine.model_name, choices, usage))
