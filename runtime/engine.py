@@ -232,7 +232,9 @@ class Engine:
         result = self.runner.run(batch)
         for seq in self.scheduler.update(batch, result.token_ids):
             logprobs = result.logprobs_for(seq.request_id)
-            self._send(seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason, logprobs))
+            self._send(
+                seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason, logprobs)
+            )
         self.num_steps += 1
 
     def _drain_inbox(self) -> None:

@@ -21,4 +21,6 @@ def retrieve_model(model: str, model_cards: list[ModelCard]) -> ModelCard:
     for card in model_cards:
         if card.id == name:
             return card
-    raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    raise APIError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )
