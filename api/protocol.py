@@ -66,6 +66,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
     # Accepted only at their defaults (see the module docstring).
     n: PositiveInt | None = None

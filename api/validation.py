@@ -136,6 +136,7 @@ def build_sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
             min_p=body.min_p or 0.0,
             min_tokens=body.min_tokens or 0,
             presence_penalty=body.presence_penalty or 0.0,

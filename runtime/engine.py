@@ -271,7 +271,7 @@ class _RequestStream:
         self._engine = engine
         self._seq = seq
         self._queue = queue
-        self._decoder = engine.tokenizer.incremental_decoder()
+        self._decoder = engine.tokenizer.incremental_decoder(seq.sampling.skip_special_tokens)
         self._num_output = 0
         self._finished = False
 
@@ -288,7 +288,10 @@ class _RequestStream:
             raise
         self._num_output += len(out.token_ids)
         self._finished = out.finish_reason is not None
-        text = self._decoder.push(out.token_ids)
+        # The EOS or stop token that ended the sequence counts as output but is not text (as in
+        # vLLM), also with skip_special_tokens=False.
+        shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids
+        text = self._decoder.push(shown)
         if self._finished:
             text += self._decoder.flush()  # a trailing incomplete character, if any
         return GenerationDelta(

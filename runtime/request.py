@@ -48,6 +48,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # for the streamed text; token ids are unaffected
     min_p: float = 0.0
     min_tokens: int = 0
     presence_penalty: float = 0.0

@@ -77,6 +77,17 @@ def test_every_sampling_field_is_accepted_and_shapes_the_response(client: openai
     assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
 
 
+def test_special_tokens_shown_on_request_but_never_the_final_eos(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "temperature": 0, "max_tokens": 40}
+    reply = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say hi."}],
+        extra_body={"skip_special_tokens": False},
+        **kw,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in reply.choices[0].message.content
+
+
 def test_same_seed_same_text(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         kw = {"temperature": 1.0, "max_tokens": 16, "seed": seed}
