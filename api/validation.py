@@ -93,6 +93,14 @@ def resolve_n(n: int | None, max_n: int) -> int:
     return n
 
 
+def check_top_logprobs(requested: int | None, cap: int, param: str) -> None:
+    """More alternatives per token than the server's ``--max-top-logprobs`` is a 400."""
+    if requested is not None and requested > cap:
+        raise bad_request(
+            f"{param} must be at most {cap} on this server, got {requested}", param=param
+        )
+
+
 def context_length_error(
     max_model_len: int, prompt_len: int, completion_len: int, prompt_param: str, param: str
 ) -> APIError:

@@ -33,6 +33,7 @@ from api.validation import (
     build_sampling,
     check_model,
     check_supported,
+    check_top_logprobs,
     decode_body,
     resolve_max_tokens,
     resolve_n,
@@ -103,6 +104,7 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = resolve_n(body.n, config.max_n)
+    check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "top_logprobs")
     generations = await start_generation(
         engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )

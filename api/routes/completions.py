@@ -23,6 +23,7 @@ from api.validation import (
     build_sampling,
     check_model,
     check_supported,
+    check_top_logprobs,
     decode_body,
     resolve_max_tokens,
     resolve_n,
@@ -92,6 +93,7 @@ async def create_completion(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = resolve_n(body.n, config.max_n)
+    check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
     generations = await start_generation(
         engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )

@@ -1,4 +1,4 @@
-"""``n`` > 1: several choices of one prompt, JSON and streamed, on chat and completions."""
+"""``n`` > 1 (several choices of one prompt, JSON and streamed) and the server caps on n and top_logprobs."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def test_n_above_the_server_cap_is_400_naming_n():
     with TestClient(create_app(engine, config=ServerConfig(max_n=2))) as client:
         assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 3}), 400, param="n")
         assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 0}), 400, param="n")
+
+
+def test_top_logprobs_above_the_server_cap_is_400():
+    engine = MockEngine(model_name="mock-model", max_model_len=256)
+    with TestClient(create_app(engine, config=ServerConfig(max_top_logprobs=2))) as client:
+        body = {**CHAT, "logprobs": True, "top_logprobs": 3}
+        assert_error(client.post("/v1/chat/completions", json=body), 400, param="top_logprobs")
+        ok = client.post("/v1/chat/completions", json={**body, "top_logprobs": 2})
+        assert ok.status_code == 200
+        bad = client.post("/v1/completions", json={"prompt": "a", "logprobs": 3})
+        assert_error(bad, 400, param="logprobs")
