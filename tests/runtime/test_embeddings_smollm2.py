@@ -13,8 +13,6 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
 from runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -28,23 +26,14 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf):
-    eng = build_engine(
-        EngineConfig(model_id=str(smollm2_gguf), max_num_seqs=4, max_model_len=512, dtype="float32")
-    )
-    eng.start()
-    yield eng
-    eng.shutdown()
+def engine(smollm2_engine):
+    return smollm2_engine
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return torch, model.eval()
+def hf_model(hf_smollm2):
+    torch, _, model = hf_smollm2
+    return torch, model
 
 
 def _hf_hidden(hf_model, ids: list[int]) -> np.ndarray:  # [len(ids), hidden]

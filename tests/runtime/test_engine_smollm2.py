@@ -12,9 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
 from runtime.request import FinishReason, SamplingParams
+from tests.smollm2 import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -33,29 +32,13 @@ LOGIT_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf):
-    eng = build_engine(
-        EngineConfig(model_id=str(smollm2_gguf), max_num_seqs=8, max_model_len=512, dtype="float32")
-    )
-    eng.start()
-    yield eng
-    eng.shutdown()
+def engine(smollm2_engine):
+    return smollm2_engine
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_gguf):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return torch, tok, model.eval()
-
-
-def chat_ids(engine, prompt: str) -> list[int]:
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+def hf(hf_smollm2):
+    return hf_smollm2
 
 
 async def collect(

@@ -12,9 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
 from runtime.request import FinishReason, SamplingParams
+from tests.smollm2 import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +35,8 @@ VARIANTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf):
-    eng = build_engine(
-        EngineConfig(model_id=str(smollm2_gguf), max_num_seqs=4, max_model_len=512, dtype="float32")
-    )
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-def chat_ids(engine, prompt: str) -> list[int]:
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+def engine(smollm2_engine):
+    return smollm2_engine
 
 
 async def run(engine, ids, sampling, request_id):
@@ -115,12 +104,8 @@ def test_min_tokens_suppresses_eos(engine):
     assert not any(t in eos for t in out[: len(tokens) + 10])
 
 
-def test_logprobs_match_hf_log_softmax_of_penalized_logits(engine, smollm2_gguf):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+def test_logprobs_match_hf_log_softmax_of_penalized_logits(engine, hf_smollm2):
+    torch, _, model = hf_smollm2
     ids = chat_ids(engine, PROMPTS[2])
     penalty = 1.5
     sp = SamplingParams(temperature=0.0, max_tokens=1, repetition_penalty=penalty, logprobs=20)
