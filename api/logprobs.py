@@ -101,3 +101,36 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
+
+
+def echo_logprobs(
+    tokenizer: TokenizerLike, prompt_ids: Sequence[int], scored: Sequence[TokenLogprobs | None]
+) -> CompletionLogprobs:
+    """The echoed prompt's part of ``choices[i].logprobs``: its first token has no context, so
+    its ``token_logprobs`` and ``top_logprobs`` entries are null, as in OpenAI and vLLM."""
+    out = CompletionLogprobs([], [], [], [])
+    offset = 0
+    for token_id, entry in zip(prompt_ids, scored, strict=True):
+        text = _token(tokenizer, token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        top = {_token(tokenizer, t): _value(lp) for t, lp in entry.top}
+        top[text] = _value(entry.logprob)
+        out.token_logprobs.append(_value(entry.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def concat_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """``first`` then ``second`` (whose offsets already continue after ``first``'s text)."""
+    return CompletionLogprobs(
+        first.tokens + second.tokens,
+        first.token_logprobs + second.token_logprobs,
+        first.top_logprobs + second.top_logprobs,
+        first.text_offset + second.text_offset,
+    )

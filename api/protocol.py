@@ -1,7 +1,7 @@
 """OpenAI request and response bodies as msgspec Structs.
 
 Requests forbid unknown fields, so a typo is a 400 rather than a silently ignored setting. Fields that
-OpenAI clients commonly send but this server cannot honour yet (``n > 1``, tools, ``echo``,
+OpenAI clients commonly send but this server cannot honour yet (tools,
 ...) are declared so ``api.validation`` can reject a non-default value with a
 "not supported yet" message naming the field; their defaults are accepted.
 """
@@ -177,11 +177,12 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions format; ``text_offset`` indexes the choice's whole text."""
+    """The legacy completions format; ``text_offset`` runs over the token texts, which is the
+    choice's text unless an echoed prompt holds special tokens (e.g. a BOS)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

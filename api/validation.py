@@ -69,7 +69,6 @@ _CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: _is_default(v, "none", "auto"),
 }
 _COMPLETION_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "best_of": lambda v: _is_default(v, 1),
 }

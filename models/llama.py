@@ -147,11 +147,18 @@ def forward(
     last = jnp.maximum(batch.q_lens - 1, 0)
     h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    return lm_head(cfg, weights, h), cache
+
+
+def lm_head(
+    cfg: LlamaConfig,
+    weights: dict[str, Any],
+    h: jax.Array,  # [..., hidden], final-normed
+) -> jax.Array:  # [..., vocab] float32
+    """Logits from final-normed hidden states (the tied embedding when there is no LM head)."""
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("sh,vh->sv", h, weights["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("sh,hv->sv", h, weights["lm_head"], preferred_element_type=jnp.float32)
-    return logits, cache
+        return jnp.einsum("...h,vh->...v", h, weights["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", h, weights["lm_head"], preferred_element_type=jnp.float32)
 
 
 def hidden_states(

@@ -19,7 +19,8 @@ class ModelSpec:
     builds the weight pytree from HF-named tensors; ``forward(config, weights, cache, batch)``
     returns ``(logits, cache)``. ``hidden_states(config, weights, tokens, positions, lengths)``,
     when the architecture has one, returns the final-normed hidden states of every position
-    without touching the KV cache (used for embeddings). Configs expose ``num_layers``,
+    without touching the KV cache (used for embeddings); ``lm_head(config, weights, h)`` turns
+    such states into logits (used for prompt logprobs). Configs expose ``num_layers``,
     ``num_kv_heads``, ``head_dim``, ``vocab_size`` and ``max_position_embeddings``.
     """
 
@@ -28,6 +29,7 @@ class ModelSpec:
     load: Callable[[Any, Iterable[tuple[str, np.ndarray]], Any, int | None], Any]
     forward: Callable[..., Any]
     hidden_states: Callable[..., Any] | None = None
+    lm_head: Callable[..., Any] | None = None
 
 
 _SPECS = {
@@ -39,6 +41,7 @@ _SPECS = {
             llama.load,
             llama.forward,
             llama.hidden_states,
+            llama.lm_head,
         ),
     )
 }

@@ -1,9 +1,11 @@
-"""Pooled embeddings from the model's final hidden states, through fixed, precompiled shapes.
+"""Cache-free forward passes: pooled embeddings and prompt logprobs, through precompiled shapes.
 
 An input of ``n`` tokens is padded to the smallest length bucket ``>= n`` (``[1, L]``, L growing
 by 4x up to ``max_model_len``) and runs one jitted forward that reads no KV cache and writes none,
-so it can run between engine steps without disturbing running sequences. Both poolings come back
-from the one call (mean over the valid tokens, and the last valid token), as float32.
+so it can run between engine steps without disturbing running sequences. The embedding call
+returns both poolings (mean over the valid tokens, and the last valid token) as float32; the
+scoring call returns every prompt token's log-probability given the tokens before it, with the
+most likely alternatives (``echo`` with ``logprobs`` on completions).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -20,6 +23,7 @@ from tqdm import tqdm
 
 from models.registry import ModelSpec
 from runtime.buckets import pick
+from runtime.request import MAX_TOP_LOGPROBS, TokenLogprobs
 
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
@@ -35,6 +39,12 @@ class EmbeddingRunner:
         self.lengths = embedding_lengths(max_model_len)
         self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config))
         self._compiled: dict[int, Any] = {}
+        self._score = None
+        self._compiled_score: dict[int, Any] = {}
+        if spec.lm_head is not None:
+            self._score = jax.jit(
+                functools.partial(_score, spec.hidden_states, spec.lm_head, config)
+            )
 
     def warmup(self) -> float:
         """Compile every length bucket from abstract shapes; returns the seconds taken."""
@@ -44,6 +54,8 @@ class EmbeddingRunner:
             tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
             n = jax.ShapeDtypeStruct((1,), jnp.int32)
             self._compiled[length] = self._pool.lower(weights, tokens, n).compile()
+            if self._score is not None:
+                self._compiled_score[length] = self._score.lower(weights, tokens, n).compile()
         return time.perf_counter() - t0
 
     def embed(self, token_ids: list[int], pooling: Pooling) -> np.ndarray:  # [hidden] float32
@@ -58,6 +70,30 @@ class EmbeddingRunner:
         tokens[0, : len(token_ids)] = token_ids
         mean, last = pool(self.weights, tokens, np.array([len(token_ids)], np.int32))
         return np.asarray(mean if pooling == "mean" else last)[0]
+
+    def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
+        """Each token's logprob given the tokens before it (None for the first, which has no
+        context), with the ``top`` most likely alternatives; values are the plain log-softmax."""
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        length = pick(self.lengths, len(token_ids))
+        score = self._compiled_score.get(length)
+        if score is None:
+            raise RuntimeError(f"prompt scoring length {length} was not compiled at warmup")
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(token_ids)] = token_ids
+        chosen, top_ids, top_values = (
+            np.asarray(a)[0]
+            for a in score(self.weights, tokens, np.array([len(token_ids)], np.int32))
+        )
+        out: list[TokenLogprobs | None] = [None]
+        for i in range(1, len(token_ids)):  # row i - 1 predicts token i
+            alternatives = tuple(
+                (int(t), float(v))
+                for t, v in zip(top_ids[i - 1, :top], top_values[i - 1, :top], strict=True)
+            )
+            out.append(TokenLogprobs(token_ids[i], float(chosen[i - 1]), alternatives))
+        return out
 
 
 def embedding_lengths(max_model_len: int) -> tuple[int, ...]:
@@ -84,39 +120,56 @@ def _pool(
     return mean, last
 
 
-class EmbedJob:
-    """A batch of inputs to embed on the engine loop thread, answered on the caller's event loop.
+def _score(
+    hidden_states: Any,
+    lm_head: Any,
+    config: Any,
+    weights: Any,
+    tokens: jax.Array,  # [1, seq_len] int32
+    lengths: jax.Array,  # [1] int32
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Row i: logprob of token i + 1 [1, seq_len], and the top ids/values [1, seq_len, K]."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logprobs = jax.nn.log_softmax(
+        lm_head(config, weights, hidden_states(config, weights, tokens, positions, lengths)),
+        axis=-1,
+    )
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    chosen = jnp.take_along_axis(logprobs, following[..., None], axis=-1)[..., 0]
+    k = min(MAX_TOP_LOGPROBS, logprobs.shape[-1])
+    top_values, top_ids = jax.lax.top_k(logprobs, k)
+    return chosen, top_ids.astype(jnp.int32), top_values
+
+
+class ForwardJob:
+    """Work for the ``EmbeddingRunner`` done on the engine loop thread, answered on the caller's
+    event loop.
 
     The loop thread calls ``run`` between steps (so the forward never races a step for the
     device); the result or the error is handed to ``future`` with ``call_soon_threadsafe``.
     """
 
-    def __init__(self, inputs: list[list[int]], pooling: Pooling) -> None:
-        self.inputs = inputs
-        self.pooling = pooling
+    def __init__(self, work: Callable[[EmbeddingRunner], Any]) -> None:
+        self.work = work
         self.loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[list[np.ndarray]] = self.loop.create_future()
+        self.future: asyncio.Future[Any] = self.loop.create_future()
 
     def run(self, runner: EmbeddingRunner) -> None:
-        """Embed every input (loop thread); never raises, errors go to the future."""
+        """Do the work (loop thread); never raises, errors go to the future."""
         if self.future.cancelled():  # the caller left; skip the work
             return
         try:
-            result = [runner.embed(ids, self.pooling) for ids in self.inputs]
+            result = self.work(runner)
         except Exception as exc:  # the caller raises it; the engine loop carries on
             self.loop.call_soon_threadsafe(_resolve, self.future, None, exc)
             return
         self.loop.call_soon_threadsafe(_resolve, self.future, result, None)
 
 
-def _resolve(
-    future: asyncio.Future[list[np.ndarray]],
-    result: list[np.ndarray] | None,
-    error: Exception | None,
-) -> None:
+def _resolve(future: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
     if future.cancelled():
         return
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(result or [])
+        future.set_result(result)

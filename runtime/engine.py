@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.embedder import EmbeddingRunner, EmbedJob, Pooling
+from runtime.embedder import EmbeddingRunner, ForwardJob, Pooling
 from runtime.model_runner import ModelRunner
 from runtime.request import (
     FinishReason,
@@ -30,6 +30,7 @@ from runtime.request import (
     SamplingFieldError,
     SamplingParams,
     StepOutput,
+    TokenLogprobs,
 )
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
@@ -193,8 +194,25 @@ class Engine:
                 )
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
-        job = EmbedJob([list(ids) for ids in inputs], pooling)
-        self._post("embed", job)
+        inputs = [list(ids) for ids in inputs]
+        job = ForwardJob(lambda runner: [runner.embed(ids, pooling) for ids in inputs])
+        self._post("forward", job)
+        return await job.future
+
+    async def prompt_logprobs(
+        self, prompt_token_ids: list[int], top: int
+    ) -> list[TokenLogprobs | None]:
+        """Each prompt token's logprob given the ones before it (None for the first), with the
+        ``top`` most likely alternatives; computed on the loop thread between steps."""
+        if self.embedder is None:
+            raise ValueError(f"{self.model_name} cannot score prompts")
+        if not 1 <= len(prompt_token_ids) <= self.max_model_len:
+            raise ValueError(f"the prompt must have 1 to {self.max_model_len} tokens")
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        ids = list(prompt_token_ids)
+        job = ForwardJob(lambda runner: runner.prompt_logprobs(ids, top))
+        self._post("forward", job)
         return await job.future
 
     def _deltas(self, seq: Sequence) -> _RequestStream:
@@ -245,7 +263,7 @@ class Engine:
                 return
             if kind == "add":
                 self.scheduler.add(payload)
-            elif kind == "embed":
+            elif kind == "forward":
                 payload.run(self.embedder)
             else:
                 self.scheduler.abort(payload)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from runtime.embedder import Pooling
-from runtime.request import GenerationDelta, SamplingParams
+from runtime.request import GenerationDelta, SamplingParams, TokenLogprobs
 from runtime.stats import EngineStats
 
 
@@ -96,4 +96,12 @@ class EngineClient(Protocol):
         ``ValueError`` when an input is empty or longer than ``max_model_len``, or the model
         cannot embed.
         """
+        ...
+
+    async def prompt_logprobs(
+        self, prompt_token_ids: list[int], top: int
+    ) -> list[TokenLogprobs | None]:
+        """Each prompt token's log-probability given the tokens before it (``None`` for the
+        first), with the ``top`` most likely alternatives: the plain log-softmax of the model's
+        logits, from a forward that reads and writes no KV cache (``echo`` with ``logprobs``)."""
         ...

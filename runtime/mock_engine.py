@@ -231,6 +231,14 @@ class MockEngine:
             return [self.generate(prompt_token_ids, sampling, request_id)]
         return [self.generate(prompt_token_ids, sampling, f"{request_id}-{i}") for i in range(n)]
 
+    async def prompt_logprobs(
+        self, prompt_token_ids: list[int], top: int
+    ) -> list[TokenLogprobs | None]:
+        """A fixed fake score per token (-1.0, alternatives -2.0, -3.0, ...), None for the first."""
+        self._validate(prompt_token_ids)
+        alternatives = tuple((t, -2.0 - i) for i, t in enumerate(range(top)))
+        return [None] + [TokenLogprobs(t, -1.0, alternatives) for t in prompt_token_ids[1:]]
+
     async def embed(self, inputs: list[list[int]], pooling: str) -> list[np.ndarray]:
         """Deterministic ``[EMBED_DIM]`` vectors: the mean (or last) of a fixed random vector per
         token id. Raises ValueError like ``EngineClient.embed``."""

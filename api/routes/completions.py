@@ -13,11 +13,18 @@ from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
+from api.errors import bad_request
 from api.generation import collect_all, merge_usage, start_generation
-from api.logprobs import completion_logprobs
+from api.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
 from api.metrics import Metrics
 from api.prompts import completion_prompt_ids
-from api.protocol import Completion, CompletionChoice, CompletionRequest, Usage
+from api.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
 from api.streaming import sse_response
 from api.validation import (
     build_sampling,
@@ -28,7 +35,7 @@ from api.validation import (
     resolve_max_tokens,
     resolve_n,
 )
-from runtime.interface import TokenizerLike
+from runtime.interface import EngineClient, TokenizerLike
 from runtime.request import TokenLogprobs
 
 # OpenAI's legacy completions default, unlike chat, which may use the whole remaining context.
@@ -45,6 +52,7 @@ class CompletionChunks:
     tokenizer: TokenizerLike | None = None  # set when the request asked for logprobs
     text_offset: int = 0  # characters sent so far, for the logprobs' text_offset
     index: int = 0  # the choice (n > 1)
+    echo: Echo | None = None  # the prompt, sent first, when the request has ``echo``
 
     def _chunk(
         self, text: str, finish_reason: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()
@@ -55,8 +63,13 @@ class CompletionChunks:
             self.text_offset += len(text)
         return Completion(self.id, self.created, self.model, [choice])
 
-    def opening(self) -> None:
-        return None
+    def opening(self) -> Completion | None:
+        if self.echo is None:
+            return None
+        choice = CompletionChoice(index=self.index, text=self.echo.text, finish_reason=None)
+        choice.logprobs = self.echo.logprobs
+        self.text_offset = self.echo.offset
+        return Completion(self.id, self.created, self.model, [choice])
 
     def text(self, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> Completion:
         return self._chunk(text, logprobs=logprobs)
@@ -66,6 +79,40 @@ class CompletionChunks:
 
     def usage(self, usage: Usage) -> Completion:
         return Completion(self.id, self.created, self.model, [], usage)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt as a completion echoes it: its text and, with logprobs, its tokens' scores."""
+
+    text: str
+    logprobs: CompletionLogprobs | None
+
+    @property
+    def offset(self) -> int:
+        """Where the completion's ``text_offset``s start: as in vLLM, offsets run over the token
+        texts (an echoed BOS counts), continuing from the prompt's tokens into the completion's."""
+        if self.logprobs is None or not self.logprobs.tokens:
+            return len(self.text)
+        return self.logprobs.text_offset[-1] + len(self.logprobs.tokens[-1])
+
+
+async def _echo(
+    engine: EngineClient, body: CompletionRequest, prompt_ids: list[int], logprobs: int | None
+) -> Echo | None:
+    if not body.echo:
+        return None
+    prompt = body.prompt
+    text = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else None
+    if text is None:  # token ids: show what they decode to
+        text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    if logprobs is None:
+        return Echo(text, None)
+    try:
+        scored = await engine.prompt_logprobs(prompt_ids, logprobs)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="echo") from None
+    return Echo(text, echo_logprobs(engine.tokenizer, prompt_ids, scored))
 
 
 @post("/v1/completions", status_code=200)
@@ -94,13 +141,14 @@ async def create_completion(
     created = int(time.time())
     n = resolve_n(body.n, config.max_n)
     check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
+    echo = await _echo(engine, body, prompt_ids, sampling.logprobs)
     generations = await start_generation(
         engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )
     tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:
         factories = [
-            CompletionChunks(request_id, created, engine.model_name, tokenizer, index=i)
+            CompletionChunks(request_id, created, engine.model_name, tokenizer, index=i, echo=echo)
             for i in range(n)
         ]
         return sse_response(
@@ -108,10 +156,14 @@ async def create_completion(
         )
     results = await cancel_on_disconnect(request, collect_all(generations))
     choices = []
+    prefix = echo.text if echo is not None else ""
+    offset = echo.offset if echo is not None else 0
     for index, result in enumerate(results):
-        choice = CompletionChoice(index, result.text, result.finish_reason)
+        choice = CompletionChoice(index, prefix + result.text, result.finish_reason)
         if tokenizer is not None:
-            choice.logprobs = completion_logprobs(tokenizer, result.logprobs)
+            choice.logprobs = completion_logprobs(tokenizer, result.logprobs, offset)
+            if echo is not None and echo.logprobs is not None:
+                choice.logprobs = concat_logprobs(echo.logprobs, choice.logprobs)
         choices.append(choice)
     usage = merge_usage([r.usage for r in results])
     return Response(Completion(request_id, created, engine.model_name, choices, usage))

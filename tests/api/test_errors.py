@@ -93,7 +93,6 @@ def test_unsupported_fields_at_their_defaults_are_accepted(client: Client) -> No
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 21}, "logprobs"),
         ({"logit_bias": {"258": 1}}, "logit_bias"),

@@ -132,6 +132,18 @@ def test_completions_with_integer_logprobs(client: openai.OpenAI) -> None:
     assert "".join(lp.tokens) == reply.choices[0].text
 
 
+def test_completions_echo_scores_the_prompt(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt="The moon is", max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
+    choice, usage = reply.choices[0], reply.usage
+    assert choice.text.startswith("The moon is") and len(choice.text) > len("The moon is")
+    lp = choice.logprobs
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+
+
 def test_raw_http_service_endpoints(server: str) -> None:
     root = server.removesuffix("/v1")
     ids = httpx.post(f"{root}/tokenize", json={"prompt": "Hello moon"}, timeout=10).json()

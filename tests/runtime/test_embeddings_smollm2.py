@@ -95,3 +95,17 @@ def test_bad_inputs_raise_value_error(engine) -> None:
     for inputs in ([[]], [[1] * 513]):
         with pytest.raises(ValueError):
             asyncio.run(engine.embed(inputs, "mean"))
+
+
+def test_prompt_logprobs_match_hf_log_softmax(engine, hf_model):
+    torch, model = hf_model
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    scored = asyncio.run(engine.prompt_logprobs(ids, 5))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    assert scored[0] is None
+    for i in range(1, len(ids)):
+        entry = scored[i]
+        assert entry.token_id == ids[i]
+        np.testing.assert_allclose(entry.logprob, ref[i - 1, ids[i]], atol=1e-3)
+        assert [t for t, _ in entry.top] == list(np.argsort(-ref[i - 1])[:5])
