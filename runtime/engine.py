@@ -88,7 +88,9 @@ class Engine:
         if self.embedder is not None:
             seconds = self.embedder.warmup()
             logger.info(
-                "compiled %d embedding shapes in %.1fs", len(self.embedder.lengths), seconds
+                "compiled %d cache-free forward buckets (embeddings, prompt scoring) in %.1fs",
+                len(self.embedder.lengths),
+                seconds,
             )
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
