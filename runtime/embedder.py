@@ -62,13 +62,7 @@ class EmbeddingRunner:
         """The pooled, unnormalised embedding of one input (``1 <= len <= max_model_len``)."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        length = pick(self.lengths, len(token_ids))
-        pool = self._compiled.get(length)
-        if pool is None:
-            raise RuntimeError(f"embedding length {length} was not compiled at warmup")
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, : len(token_ids)] = token_ids
-        mean, last = pool(self.weights, tokens, np.array([len(token_ids)], np.int32))
+        mean, last = self._call(self._compiled, token_ids)
         return np.asarray(mean if pooling == "mean" else last)[0]
 
     def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
@@ -76,15 +70,8 @@ class EmbeddingRunner:
         context), with the ``top`` most likely alternatives; values are the plain log-softmax."""
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        length = pick(self.lengths, len(token_ids))
-        score = self._compiled_score.get(length)
-        if score is None:
-            raise RuntimeError(f"prompt scoring length {length} was not compiled at warmup")
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, : len(token_ids)] = token_ids
         chosen, top_ids, top_values = (
-            np.asarray(a)[0]
-            for a in score(self.weights, tokens, np.array([len(token_ids)], np.int32))
+            np.asarray(a)[0] for a in self._call(self._compiled_score, token_ids)
         )
         out: list[TokenLogprobs | None] = [None]
         for i in range(1, len(token_ids)):  # row i - 1 predicts token i
@@ -94,6 +81,16 @@ class EmbeddingRunner:
             )
             out.append(TokenLogprobs(token_ids[i], float(chosen[i - 1]), alternatives))
         return out
+
+    def _call(self, compiled: dict[int, Any], token_ids: list[int]) -> Any:
+        """Run a precompiled function on ``token_ids`` padded to their length bucket."""
+        length = pick(self.lengths, len(token_ids))
+        fn = compiled.get(length)
+        if fn is None:
+            raise RuntimeError(f"length bucket {length} was not compiled at warmup")
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(token_ids)] = token_ids
+        return fn(self.weights, tokens, np.array([len(token_ids)], np.int32))
 
 
 def embedding_lengths(max_model_len: int) -> tuple[int, ...]:
