@@ -15,7 +15,7 @@ from models.layers.attention import AttentionConfig, paged_self_attention
 from models.layers.causal_attention import causal_self_attention
 from models.layers.mlp import gated_mlp
 from models.layers.norms import rms_norm
-from models.layers.rotary import RopeConfig
+from models.layers.rotary import rope_from_hf
 from models.weights import WeightRule, load_weights
 from pallas_kernels.paged_attention import KVCache
 
@@ -45,15 +45,14 @@ class LlamaConfig:
         return self.attention.head_dim
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
-        """The one place HF ``config.json`` names for Llama are read."""
+    def from_hf(cls, hf: dict[str, Any], **attention: Any) -> LlamaConfig:
+        """The one place HF ``config.json`` names shared by Llama-like models are read.
+
+        ``attention`` sets the AttentionConfig fields an architecture adds (``qkv_bias``,
+        ``qk_norm_eps``); their files read their own HF names.
+        """
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
-        rope_params = hf.get("rope_parameters") or {}
-        theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope_params.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type")
-        if rope_type not in (None, "default"):
-            raise ValueError(f"rope scaling {rope_type!r} is not supported for Llama yet")
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -66,7 +65,8 @@ class LlamaConfig:
                 num_heads=num_heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
-                rope=RopeConfig(theta=float(theta), rotary_dim=head_dim),
+                rope=rope_from_hf(hf, head_dim),
+                **attention,
             ),
         )
 
@@ -81,13 +81,21 @@ WEIGHT_RULES = (
     WeightRule(_LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
     WeightRule(_LAYER + r"self_attn\.v_proj\.weight", "wv", transpose=True, per_layer=True),
     WeightRule(_LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.q_proj\.bias", "bq", per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.k_proj\.bias", "bk", per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.v_proj\.bias", "bv", per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.q_norm\.weight", "q_norm", per_layer=True),
+    WeightRule(_LAYER + r"self_attn\.k_norm\.weight", "k_norm", per_layer=True),
     WeightRule(_LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
     WeightRule(_LAYER + r"mlp\.gate_proj\.weight", "w_gate", transpose=True, per_layer=True),
     WeightRule(_LAYER + r"mlp\.up_proj\.weight", "w_up", transpose=True, per_layer=True),
     WeightRule(_LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
     WeightRule(_LAYER + r"self_attn\.rotary_emb\.inv_freq", None),
 )
-_LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+_LAYER_FIELDS = (
+    *("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"),
+    *("bq", "bk", "bv", "q_norm", "k_norm"),  # only where the attention config asks for them
+)
 
 
 def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -106,6 +114,11 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "w_up": (n, cfg.hidden_size, cfg.intermediate_size),
         "w_down": (n, cfg.intermediate_size, cfg.hidden_size),
     }
+    if a.qkv_bias:
+        shapes["bq"] = (n, a.num_heads * a.head_dim)
+        shapes["bk"] = shapes["bv"] = (n, a.num_kv_heads * a.head_dim)
+    if a.qk_norm_eps is not None:
+        shapes["q_norm"] = shapes["k_norm"] = (n, a.head_dim)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
     return shapes
@@ -120,7 +133,7 @@ def load(
     """Checkpoint tensors (HF names) -> the weight pytree ``forward`` takes."""
     flat = load_weights(weight_shapes(cfg), WEIGHT_RULES, tensors, dtype, num_tensors)
     weights: dict[str, Any] = {k: v for k, v in flat.items() if k not in _LAYER_FIELDS}
-    weights["layers"] = {k: flat[k] for k in _LAYER_FIELDS}
+    weights["layers"] = {k: flat[k] for k in _LAYER_FIELDS if k in flat}
     return weights
 
 
@@ -134,9 +147,7 @@ def forward(
         x, cache = carry
         lw, layer = xs
         h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        attn, cache = paged_self_attention(
-            cfg.attention, h, lw["wq"], lw["wk"], lw["wv"], lw["wo"], cache, layer, batch
-        )
+        attn, cache = paged_self_attention(cfg.attention, h, lw, cache, layer, batch)
         x = x + attn
         h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         x = x + gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"])
@@ -177,10 +188,7 @@ def hidden_states(
 
     def layer_step(x: jax.Array, lw: dict) -> tuple[jax.Array, None]:
         h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        a = cfg.attention
-        x = x + causal_self_attention(
-            a, h, lw["wq"], lw["wk"], lw["wv"], lw["wo"], positions, lengths
-        )
+        x = x + causal_self_attention(cfg.attention, h, lw, positions, lengths)
         h = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         return x + gated_mlp(h, lw["w_gate"], lw["w_up"], lw["w_down"]), None
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from models import llama
+from models import llama, qwen2, qwen3
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,22 @@ _SPECS = {
         ModelSpec(
             "LlamaForCausalLM",
             llama.LlamaConfig.from_hf,
+            llama.load,
+            llama.forward,
+            llama.hidden_states,
+            llama.lm_head,
+        ),
+        ModelSpec(
+            "Qwen2ForCausalLM",
+            qwen2.config_from_hf,
+            llama.load,
+            llama.forward,
+            llama.hidden_states,
+            llama.lm_head,
+        ),
+        ModelSpec(
+            "Qwen3ForCausalLM",
+            qwen3.config_from_hf,
             llama.load,
             llama.forward,
             llama.hidden_states,

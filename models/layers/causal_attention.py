@@ -6,21 +6,19 @@ own first ``lengths`` tokens, causally.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
-from models.layers.attention import AttentionConfig
+from models.layers.attention import AttentionConfig, project_qkv
 from models.layers.linear import linear
-from models.layers.rotary import apply_rope
 
 
 def causal_self_attention(
     cfg: AttentionConfig,
     x: jax.Array,  # [num_seqs, seq_len, hidden]
-    wq: jax.Array,  # [hidden, num_heads * head_dim]
-    wk: jax.Array,  # [hidden, num_kv_heads * head_dim]
-    wv: jax.Array,  # [hidden, num_kv_heads * head_dim]
-    wo: jax.Array,  # [num_heads * head_dim, hidden]
+    lw: Mapping[str, jax.Array],  # one layer's attention weights (see models.layers.attention)
     positions: jax.Array,  # [num_seqs, seq_len] int32
     lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
 ) -> jax.Array:  # [num_seqs, seq_len, hidden]
@@ -31,12 +29,8 @@ def causal_self_attention(
     """
     num_seqs, seq_len, _ = x.shape
     group = cfg.num_heads // cfg.num_kv_heads
-    q = linear(x, wq).reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
-    k = linear(x, wk).reshape(num_seqs, seq_len, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, wv).reshape(num_seqs, seq_len, cfg.num_kv_heads, cfg.head_dim)
-    q = apply_rope(q.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim), positions, cfg.rope)
+    q, k, v = project_qkv(cfg, x, lw, positions)
     q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
-    k = apply_rope(k, positions, cfg.rope)
     scores = jnp.einsum(
         "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
     )  # [num_seqs, num_kv_heads, group, seq_len, seq_len]
@@ -52,4 +46,4 @@ def causal_self_attention(
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
     out = out.reshape(num_seqs, seq_len, cfg.num_heads * cfg.head_dim)
-    return linear(out, wo)
+    return linear(out, lw["wo"])
