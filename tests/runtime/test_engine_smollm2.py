@@ -69,6 +69,7 @@ def test_greedy_tokens_and_logits_match_hf(engine, hf):
         with torch.no_grad():
             ref = model.generate(
                 torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),  # id 0 is not padding
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 eos_token_id=sorted(engine.tokenizer.eos_token_ids),
