@@ -34,6 +34,18 @@ class Loaded:
     weights: Any
 
 
+# A tiny shape every architecture test starts from (GQA: 4 query heads over 2 KV heads).
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
 def save_random_model(hf_config: Any, folder: Path, seed: int = 0) -> Any:
     """A float32 HF model with seeded random weights, saved as safetensors; returns the model."""
     import torch

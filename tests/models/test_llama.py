@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 
 from models.layers.rotary import RopeConfig, rope_from_hf
-from tests.models.harness import check_against_hf
+from tests.models.harness import TINY, check_against_hf
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,

@@ -5,17 +5,7 @@ from __future__ import annotations
 import pytest
 
 from models.registry import get_model_spec
-from tests.models.harness import check_against_hf
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+from tests.models.harness import TINY, check_against_hf
 
 
 def test_qwen2_matches_hf(tmp_path):
