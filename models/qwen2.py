@@ -1,25 +1,36 @@
-"""Qwen2 (and Qwen2.5): Llama with biases on the q, k and v projections.
-
-Everything but the config translation is Llama's; the bias fields are declared there.
-"""
+"""Qwen2 (Qwen2.5, QwQ, DeepSeek-R1-Distill-Qwen): Llama with biases on q, k and v, and
+optional sliding windows on the layers from ``max_window_layers`` on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from models.llama import LlamaConfig
+from models.decoder import DecoderConfig
+from models.llama import config_from_hf as llama_like
 
 
-def reject_sliding_window(hf: dict[str, Any]) -> None:
-    """Qwen2-family checkpoints may turn on per-layer sliding windows; none of ours run them yet."""
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise ValueError(
-            "sliding-window attention on some layers (use_sliding_window) is not supported for "
-            f"{(hf.get('architectures') or ['this model'])[0]} yet; set it to false in config.json"
-        )
+def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[tuple[bool, ...], int | None]:
+    """Per-layer sliding flags and the window. transformers lists ``layer_types``; older configs
+    say ``use_sliding_window`` with layers from ``max_window_layers`` on sliding."""
+    num_layers = int(hf["num_hidden_layers"])
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return (), None
+    if layer_types := hf.get("layer_types"):
+        flags = tuple(t == "sliding_attention" for t in layer_types)
+    else:
+        first = int(hf.get("max_window_layers", num_layers))
+        flags = tuple(i >= first for i in range(num_layers))
+    if len(flags) != num_layers:
+        raise ValueError(f"layer_types lists {len(flags)} layers, the model has {num_layers}")
+    return (flags, int(window)) if any(flags) else ((), None)
 
 
-def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
-    """Qwen2's HF config: Llama's names, q/k/v biases always on."""
-    reject_sliding_window(hf)
-    return LlamaConfig.from_hf(hf, qkv_bias=True)
+def config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
+    """Qwen2's HF config: Llama's names, q/k/v biases always on, o_proj without bias."""
+    slides, window = qwen_sliding_layers(hf)
+    return llama_like(
+        hf,
+        attention={"qkv_bias": True, "o_bias": False, "sliding_window": window},
+        sliding_layers=slides,
+    )

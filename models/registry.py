@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from models import llama, qwen2, qwen3
+from models import decoder, gemma, glm4, llama, mistral, phi, qwen2, qwen3, stablelm
 
 
 @dataclass(frozen=True)
@@ -32,33 +33,47 @@ class ModelSpec:
     lm_head: Callable[..., Any] | None = None
 
 
+def _decoder(
+    hf_architecture: str, config_from_hf: Callable[[dict[str, Any]], Any], rules: tuple
+) -> ModelSpec:
+    return ModelSpec(
+        hf_architecture,
+        config_from_hf,
+        partial(decoder.load, rules=rules),
+        decoder.forward,
+        decoder.hidden_states,
+        decoder.lm_head,
+    )
+
+
 _SPECS = {
     spec.hf_architecture: spec
     for spec in (
-        ModelSpec(
-            "LlamaForCausalLM",
-            llama.LlamaConfig.from_hf,
-            llama.load,
-            llama.forward,
-            llama.hidden_states,
-            llama.lm_head,
+        _decoder("LlamaForCausalLM", llama.llama_config_from_hf, llama.WEIGHT_RULES),
+        _decoder("MistralForCausalLM", mistral.mistral_config_from_hf, llama.WEIGHT_RULES),
+        _decoder("MinistralForCausalLM", mistral.ministral_config_from_hf, llama.WEIGHT_RULES),
+        _decoder("Ministral3ForCausalLM", mistral.ministral3_config_from_hf, llama.WEIGHT_RULES),
+        _decoder(
+            "Mistral3ForConditionalGeneration",
+            mistral.ministral3_config_from_hf,
+            mistral.MISTRAL3_WEIGHT_RULES,
         ),
-        ModelSpec(
-            "Qwen2ForCausalLM",
-            qwen2.config_from_hf,
-            llama.load,
-            llama.forward,
-            llama.hidden_states,
-            llama.lm_head,
+        _decoder("Qwen2ForCausalLM", qwen2.config_from_hf, llama.WEIGHT_RULES),
+        _decoder("Qwen3ForCausalLM", qwen3.config_from_hf, llama.WEIGHT_RULES),
+        _decoder("GemmaForCausalLM", gemma.gemma_config_from_hf, gemma.GEMMA1_WEIGHT_RULES),
+        _decoder("Gemma2ForCausalLM", gemma.gemma2_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),
+        _decoder("Gemma3ForCausalLM", gemma.gemma3_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),
+        _decoder(
+            "Gemma3ForConditionalGeneration",
+            gemma.gemma3_config_from_hf,
+            gemma.GEMMA3_MULTIMODAL_WEIGHT_RULES,
         ),
-        ModelSpec(
-            "Qwen3ForCausalLM",
-            qwen3.config_from_hf,
-            llama.load,
-            llama.forward,
-            llama.hidden_states,
-            llama.lm_head,
+        _decoder("PhiForCausalLM", phi.phi2_config_from_hf, phi.PHI2_WEIGHT_RULES),
+        _decoder("Phi3ForCausalLM", phi.phi3_config_from_hf, phi.PHI3_WEIGHT_RULES),
+        _decoder(
+            "StableLmForCausalLM", stablelm.stablelm_config_from_hf, stablelm.STABLELM_WEIGHT_RULES
         ),
+        _decoder("Glm4ForCausalLM", glm4.glm4_config_from_hf, glm4.GLM4_WEIGHT_RULES),
     )
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}

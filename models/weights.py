@@ -8,6 +8,7 @@ unmapped key, missing parameter or shape mismatch is a ``WeightLoadError`` namin
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,18 +27,26 @@ class WeightLoadError(ValueError):
 class WeightRule:
     """Checkpoint names matching ``pattern`` fill ``field``.
 
-    With ``per_layer``, the pattern's first group is the layer index into the stacked field.
-    ``transpose`` turns a torch ``[out, in]`` linear weight into our ``[in, out]``.
+    With ``per_layer``, the pattern's groups are indices into the field's leading axes in order
+    (layer, then e.g. expert). ``transpose`` turns a torch ``[out, in]`` linear weight into our
+    ``[in, out]``. A tuple of fields splits a fused checkpoint tensor (``qkv_proj``,
+    ``gate_up_proj``) along its torch output axis into pieces sized by the fields' shapes.
     A rule with ``field=None`` marks names that are deliberately ignored (e.g. cached rope tables).
     """
 
     pattern: str
-    field: str | None
+    field: str | tuple[str, ...] | None
     transpose: bool = False
     per_layer: bool = False
 
     def match(self, name: str) -> re.Match[str] | None:
         return re.fullmatch(self.pattern, name)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        if self.field is None:
+            return ()
+        return (self.field,) if isinstance(self.field, str) else self.field
 
 
 def load_weights(
@@ -46,44 +55,82 @@ def load_weights(
     tensors: Iterable[tuple[str, np.ndarray]],
     dtype: jnp.dtype,
     num_tensors: int | None = None,
+    first_layer: Mapping[str, int] | None = None,
 ) -> dict[str, jax.Array]:
     """Fill every field of ``shapes`` from ``tensors``; return device arrays of ``dtype``."""
+    host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer)
+    return {name: jnp.asarray(array) for name, array in host.items()}
+
+
+def load_host_weights(
+    shapes: Mapping[str, tuple[int, ...]],
+    rules: Sequence[WeightRule],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: jnp.dtype,
+    num_tensors: int | None = None,
+    first_layer: Mapping[str, int] | None = None,
+) -> dict[str, np.ndarray]:
+    """Like ``load_weights`` but returns host (numpy) arrays.
+
+    ``first_layer[field]`` is the layer a stacked field starts at: a field that exists only for
+    layers k.. (DeepSeek's experts after its dense layers) has a leading axis of n - k.
+    """
     host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
-    filled: dict[str, set[int]] = {name: set() for name in shapes}
-    stacked: set[str] = set()
+    filled: dict[str, set[tuple[int, ...]]] = {name: set() for name in shapes}
+    depth: dict[str, int] = {}
+    offsets = first_layer or {}
     for key, array in tqdm(
         tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False
     ):
         rule, match = _find_rule(rules, key)
-        if rule.field is None:
-            continue
-        if rule.field not in host:
-            raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {rule.field!r}")
-        value = array.T if rule.transpose else array
-        target = host[rule.field]
-        index = 0
-        if rule.per_layer:
-            stacked.add(rule.field)
-            index = int(match.group(1))
-            if index >= target.shape[0]:
-                raise WeightLoadError(f"checkpoint key {key!r}: layer {index} out of range")
-            target = target[index]
-        if value.shape != target.shape:
-            raise WeightLoadError(
-                f"checkpoint key {key!r} has shape {tuple(value.shape)}, expected {target.shape}"
-            )
-        if index in filled[rule.field]:
-            raise WeightLoadError(f"checkpoint key {key!r} appears twice")
-        target[...] = value
-        filled[rule.field].add(index)
+        for field in rule.fields:
+            if field not in host:
+                raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {field!r}")
+        value = array
+        pieces = _split(key, rule, value, host) if len(rule.fields) > 1 else [value]
+        for field, piece in zip(rule.fields, pieces, strict=True):
+            index: tuple[int, ...] = ()
+            if rule.per_layer:
+                index = tuple(int(g) for g in match.groups())
+                index = (index[0] - offsets.get(field, 0), *index[1:])
+                depth[field] = len(index)
+            _store(key, host[field], index, piece.T if rule.transpose else piece)
+            if index in filled[field]:
+                raise WeightLoadError(f"checkpoint key {key!r} appears twice")
+            filled[field].add(index)
     for name, shape in shapes.items():
-        expected = set(range(shape[0])) if name in stacked else {0}
+        expected = set(itertools.product(*(range(n) for n in shape[: depth.get(name, 0)])))
         missing = expected - filled[name]
         if missing:
             raise WeightLoadError(
-                f"checkpoint has no value for {name!r} (layers {sorted(missing)})"
+                f"checkpoint has no value for {name!r} (indices {sorted(missing)[:8]})"
             )
-    return {name: jnp.asarray(array) for name, array in host.items()}
+    return host
+
+
+def _split(
+    key: str, rule: WeightRule, value: np.ndarray, host: Mapping[str, np.ndarray]
+) -> list[np.ndarray]:
+    """Cut a fused torch ``[out, in]`` tensor into the fields' output widths."""
+    sizes = [host[f].shape[-1] if rule.transpose else host[f].shape[-2] for f in rule.fields]
+    if value.shape[0] != sum(sizes):
+        raise WeightLoadError(
+            f"checkpoint key {key!r} has {value.shape[0]} output rows, expected "
+            f"{' + '.join(map(str, sizes))} for {', '.join(rule.fields)}"
+        )
+    return np.split(value, np.cumsum(sizes)[:-1], axis=0)
+
+
+def _store(key: str, target: np.ndarray, index: tuple[int, ...], value: np.ndarray) -> None:
+    for axis, i in enumerate(index):
+        if not 0 <= i < target.shape[0]:
+            raise WeightLoadError(f"checkpoint key {key!r}: index {i} on axis {axis} out of range")
+        target = target[i]
+    if value.shape != target.shape:
+        raise WeightLoadError(
+            f"checkpoint key {key!r} has shape {tuple(value.shape)}, expected {target.shape}"
+        )
+    target[...] = value
 
 
 def _find_rule(rules: Sequence[WeightRule], key: str) -> tuple[WeightRule, re.Match[str]]:
@@ -92,3 +139,20 @@ def _find_rule(rules: Sequence[WeightRule], key: str) -> tuple[WeightRule, re.Ma
         if match is not None:
             return rule, match
     raise WeightLoadError(f"checkpoint key {key!r} is not a parameter of this model")
+
+
+def nested_rules(rules: Sequence[WeightRule], prefix: str, ignored: str) -> tuple[WeightRule, ...]:
+    """``rules`` for a multimodal checkpoint whose text model lives under ``model.<prefix>.``
+    (Mistral 3, Gemma 3); names matching ``ignored`` (its vision parts) are skipped."""
+    nested = tuple(
+        WeightRule(
+            r.pattern.replace(r"model\.", rf"model\.{prefix}\.", 1),
+            r.field,
+            r.transpose,
+            r.per_layer,
+        )
+        if r.pattern.startswith(r"model\.")
+        else r
+        for r in rules
+    )
+    return (*nested, WeightRule(ignored, None))

@@ -1,7 +1,9 @@
 """Self-attention over the paged KV cache: project, rotate, write K/V, attend, project out.
 
 A layer's attention weights are a dict: ``wq``, ``wk``, ``wv``, ``wo`` always; ``bq``, ``bk``,
-``bv`` when ``qkv_bias`` (Qwen2); ``q_norm``, ``k_norm`` when ``qk_norm_eps`` is set (Qwen3).
+``bv`` when ``qkv_bias`` (Qwen2, Phi-2, StableLM, GLM-4); ``bo`` when ``o_bias`` (Phi-2);
+``q_norm``, ``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set
+(Qwen3, Gemma-3, Phi-2, StableLM 2).
 """
 
 from __future__ import annotations
@@ -10,16 +12,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
+from flax import struct
 
 from models.batch import StepBatch
 from models.layers.linear import linear
-from models.layers.norms import rms_norm
+from models.layers.norms import NormConfig, apply_norm
 from models.layers.rotary import RopeConfig, apply_rope
 from pallas_kernels.paged_attention import KVCache, paged_attention, write_kv
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
+    """Static attention settings shared by every layer of a model.
+
+    ``sliding_window`` is the window of the layers that slide (which ones is per layer, see
+    ``LayerMeta``). ``local_rope``, when set, is the rope of sliding layers (Gemma-3 keeps a
+    short base there). ``softmax_scale`` overrides head_dim ** -0.5 (Gemma's
+    query_pre_attn_scalar). ``position_query_scale`` = (beta, length) multiplies queries by
+    1 + beta * log(1 + floor(position / length)) (Mistral 3's long-context temperature).
+    """
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -27,7 +40,12 @@ class AttentionConfig:
     sliding_window: int | None = None
     soft_cap: float | None = None
     qkv_bias: bool = False
-    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k before rope when set
+    o_bias: bool = False
+    qk_norm: NormConfig | None = None  # norm over each head of q and k before rope when set
+    qk_norm_per_head: bool = False  # a separate norm weight per head (StableLM 2)
+    local_rope: RopeConfig | None = None
+    softmax_scale: float | None = None
+    position_query_scale: tuple[float, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -35,10 +53,35 @@ class AttentionConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.soft_cap is not None and not self.soft_cap > 0:
+            raise ValueError(f"attention soft-cap must be > 0, got {self.soft_cap}")
+        if self.rope.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"rotary dim {self.rope.rotary_dim} is larger than head_dim {self.head_dim}"
+            )
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+
+@struct.dataclass
+class LayerMeta:
+    """Per-layer facts a layer scan carries next to the weights (one row per layer)."""
+
+    index: jax.Array  # [] int32, the layer's slot in the KV cache
+    window: jax.Array  # [] int32, sliding window of this layer (huge for full attention)
+    local: jax.Array  # [] bool, whether this layer uses ``local_rope``
+
+
+FULL_WINDOW = 2**30  # a "window" no sequence reaches: the layer attends to everything
+
+
+def layer_window(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
+    """The traced window of this layer, or None when no layer of the model slides."""
+    return None if cfg.sliding_window is None else meta.window
 
 
 def project_qkv(
@@ -46,18 +89,51 @@ def project_qkv(
     x: jax.Array,  # [num_seqs, q_len, hidden]
     lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
     positions: jax.Array,  # [num_seqs, q_len] int32
+    meta: LayerMeta,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [num_seqs, q_len, num_heads, head_dim] and k, v [num_seqs, q_len, num_kv_heads, head_dim],
-    with q and k normed (when configured) and rotated."""
+    with q and k normed (when configured), rotated, and q position-scaled (when configured)."""
     num_seqs, q_len, _ = x.shape
     bq, bk, bv = (lw["bq"], lw["bk"], lw["bv"]) if cfg.qkv_bias else (None, None, None)
     q = linear(x, lw["wq"], bq).reshape(num_seqs, q_len, cfg.num_heads, cfg.head_dim)
     k = linear(x, lw["wk"], bk).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, lw["wv"], bv).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm_eps is not None:
-        q = rms_norm(q, lw["q_norm"], cfg.qk_norm_eps)
-        k = rms_norm(k, lw["k_norm"], cfg.qk_norm_eps)
-    return apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope), v
+    if cfg.qk_norm is not None:
+        q = apply_norm(cfg.qk_norm, q, lw["q_norm"], lw.get("q_norm_b"))
+        k = apply_norm(cfg.qk_norm, k, lw["k_norm"], lw.get("k_norm_b"))
+    q, k = _rotate(cfg, q, k, positions, meta)
+    if cfg.position_query_scale is not None:
+        beta, length = cfg.position_query_scale
+        factor = 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))
+        q = (q * factor[..., None, None]).astype(q.dtype)
+    return q, k, v
+
+
+def _rotate(
+    cfg: AttentionConfig,
+    q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
+    k: jax.Array,  # [num_seqs, q_len, num_kv_heads, head_dim]
+    positions: jax.Array,  # [num_seqs, q_len] int32
+    meta: LayerMeta,
+) -> tuple[jax.Array, jax.Array]:
+    q_rot, k_rot = apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope)
+    if cfg.local_rope is None:
+        return q_rot, k_rot
+    q_loc, k_loc = (
+        apply_rope(q, positions, cfg.local_rope),
+        apply_rope(k, positions, cfg.local_rope),
+    )
+    return jnp.where(meta.local, q_loc, q_rot), jnp.where(meta.local, k_loc, k_rot)
+
+
+def output_projection(
+    cfg: AttentionConfig,
+    out: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
+    lw: Mapping[str, jax.Array],
+) -> jax.Array:  # [num_seqs, q_len, hidden]
+    num_seqs, q_len = out.shape[:2]
+    flat = out.reshape(num_seqs, q_len, cfg.num_heads * cfg.head_dim)
+    return linear(flat, lw["wo"], lw["bo"] if cfg.o_bias else None)
 
 
 def paged_self_attention(
@@ -65,26 +141,24 @@ def paged_self_attention(
     x: jax.Array,  # [num_seqs, q_len, hidden]
     lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
     cache: KVCache,
-    layer: jax.Array,  # [] int32
+    meta: LayerMeta,
     batch: StepBatch,
 ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
     """Attention for one layer; this step's K/V are written to their pages before attending."""
-    num_seqs, q_len, _ = x.shape
-    q, k, v = project_qkv(cfg, x, lw, batch.positions)
+    q, k, v = project_qkv(cfg, x, lw, batch.positions, meta)
     k_cache, v_cache = write_kv(
-        cache.k, cache.v, layer, k, v, batch.positions, batch.q_lens, batch.page_indices
+        cache.k, cache.v, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices
     )
     out = paged_attention(
         q,
         k_cache,
         v_cache,
-        layer,
+        meta.index,
         batch.positions,
         batch.page_indices,
         batch.kv_lens,
         scale=cfg.scale,
-        sliding_window=cfg.sliding_window,
+        sliding_window=layer_window(cfg, meta),
         soft_cap=cfg.soft_cap,
     )
-    out = linear(out.reshape(num_seqs, q_len, cfg.num_heads * cfg.head_dim), lw["wo"])
-    return out, KVCache(k=k_cache, v=v_cache)
+    return output_projection(cfg, out, lw), KVCache(k=k_cache, v=v_cache)

@@ -1,7 +1,7 @@
 """Plain causal self-attention over the given tokens only, without the paged KV cache.
 
-Used where a forward must leave the cache untouched (embeddings): every sequence attends to its
-own first ``lengths`` tokens, causally.
+Used where a forward must leave the cache untouched (embeddings, prompt scoring): every sequence
+attends to its own first ``lengths`` tokens, causally.
 """
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from models.layers.attention import AttentionConfig, project_qkv
-from models.layers.linear import linear
+from models.layers.attention import (
+    AttentionConfig,
+    LayerMeta,
+    layer_window,
+    output_projection,
+    project_qkv,
+)
 
 
 def causal_self_attention(
@@ -21,6 +26,7 @@ def causal_self_attention(
     lw: Mapping[str, jax.Array],  # one layer's attention weights (see models.layers.attention)
     positions: jax.Array,  # [num_seqs, seq_len] int32
     lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
+    meta: LayerMeta,
 ) -> jax.Array:  # [num_seqs, seq_len, hidden]
     """Project, rotate, attend causally within each sequence's valid tokens, project out.
 
@@ -29,7 +35,7 @@ def causal_self_attention(
     """
     num_seqs, seq_len, _ = x.shape
     group = cfg.num_heads // cfg.num_kv_heads
-    q, k, v = project_qkv(cfg, x, lw, positions)
+    q, k, v = project_qkv(cfg, x, lw, positions, meta)
     q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
     scores = jnp.einsum(
         "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
@@ -39,11 +45,11 @@ def causal_self_attention(
         scores = cfg.soft_cap * jnp.tanh(scores / cfg.soft_cap)
     idx = jnp.arange(seq_len)
     mask = idx[None, :] <= idx[:, None]  # [q, s] causal
-    if cfg.sliding_window is not None:
-        mask &= idx[:, None] - idx[None, :] < cfg.sliding_window
+    window = layer_window(cfg, meta)
+    if window is not None:
+        mask &= idx[:, None] - idx[None, :] < window
     mask = mask[None] & (idx < lengths[:, None])[:, None, :]  # [num_seqs, q, s]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
-    out = out.reshape(num_seqs, seq_len, cfg.num_heads * cfg.head_dim)
-    return linear(out, lw["wo"])
+    return output_projection(cfg, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim), lw)

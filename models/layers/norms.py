@@ -1,13 +1,49 @@
-"""Normalisation layers."""
+"""Normalisation layers: RMSNorm, Gemma's RMSNorm (weight stored as an offset from 1), LayerNorm."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+NORM_KINDS = ("rms", "rms_one", "layer")
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """``rms``: x / rms(x) * w. ``rms_one``: x / rms(x) * (1 + w) (Gemma checkpoints store w - 1).
+    ``layer``: LayerNorm, (x - mean) / std * w + b (the bias weight is optional)."""
+
+    kind: str = "rms"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.kind not in NORM_KINDS:
+            raise ValueError(f"norm kind must be one of {', '.join(NORM_KINDS)}, got {self.kind!r}")
+        if not self.eps > 0:
+            raise ValueError(f"norm eps must be > 0, got {self.eps}")
+
+
+def apply_norm(
+    cfg: NormConfig,
+    x: jax.Array,  # [..., dim]
+    weight: jax.Array,  # [dim] (or any shape broadcasting against x's trailing axes)
+    bias: jax.Array | None = None,  # like weight; LayerNorm only
+) -> jax.Array:  # like x
+    """Normalise over the last axis in float32; the result has x's dtype."""
+    xf = x.astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    if cfg.kind == "layer":
+        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.eps) * w
+        if bias is not None:
+            out = out + bias.astype(jnp.float32)
+        return out.astype(x.dtype)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.eps)
+    return (xf * (1.0 + w if cfg.kind == "rms_one" else w)).astype(x.dtype)
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, returned in x's dtype.  x: [..., hidden]; weight: [hidden]."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return apply_norm(NormConfig("rms", eps), x, weight)

@@ -1,8 +1,12 @@
-"""Rotary position embeddings (HF "rotate_half" convention), with linear and llama3 scaling."""
+"""Rotary position embeddings: one frozen config, its HF translation, and the rotation itself.
+
+The frequency tables for the scaled variants live in ``rope_scaling``; this module decides which
+table a token uses and rotates either the two halves of the rotary features (HF "rotate_half",
+the default) or adjacent pairs (``interleaved``, as GLM-4 does).
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,16 +14,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3")
+from models.layers import rope_scaling
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Older checkpoints name a few kinds differently; they map onto a supported kind unchanged.
+LEGACY_ROPE_TYPES = {"su": "longrope"}
+_NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+_FACTOR_LISTS = ("short_factor", "long_factor", "freq_factors")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary settings. ``rotary_dim`` may be smaller than head_dim (partial rotary).
+    """Rotary settings, hashable so it can be a static jit argument.
 
-    ``rope_type`` "linear" divides every frequency by ``factor``; "llama3" divides only the low
-    frequencies (wavelength above ``original_max_position_embeddings / low_freq_factor``) and
-    interpolates smoothly up to ``original_max_position_embeddings / high_freq_factor``.
+    ``rotary_dim`` may be smaller than head_dim (partial rotary); only the first ``rotary_dim``
+    features of a head rotate. ``rope_type`` picks the frequencies:
+
+    - "default": ``theta ** (-2i / rotary_dim)``, each divided by ``freq_factors[i]`` when given
+      (precomputed per-frequency divisors, e.g. a GGUF ``rope_freqs`` tensor).
+    - "linear": every frequency divided by ``factor``.
+    - "llama3": low frequencies divided by ``factor``, blended between the wavelengths
+      ``original_max_position_embeddings / {low,high}_freq_factor``.
+    - "yarn": frequencies blended between divided-by-``factor`` and unscaled over the dimensions
+      that turn between ``beta_slow`` and ``beta_fast`` times in the original context.
+    - "longrope": frequencies divided by ``short_factor[i]`` for positions below
+      ``original_max_position_embeddings`` and by ``long_factor[i]`` from there on. HF picks one
+      table per forward pass from the longest sequence; a paged engine needs every token's rotation
+      fixed once its key is cached, so the choice here is per position. The two agree whenever the
+      whole sequence fits in the original context.
+
+    ``attention_factor`` multiplies cos and sin (yarn and longrope only); ``None`` means the
+    kind's default, see ``attention_scale``. Factor lists must be tuples (lists are converted).
     """
 
     theta: float
@@ -29,8 +54,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
+    freq_factors: tuple[float, ...] | None = None
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
+        for name in _FACTOR_LISTS:
+            # Lists or arrays would make the config unhashable, and so unusable as a jit static.
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in value))
         if self.theta <= 0:
             raise ValueError(f"rope theta must be > 0, got {self.theta}")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -41,75 +79,216 @@ class RopeConfig:
             )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
-        if self.rope_type == "llama3":
-            if self.original_max_position_embeddings is None:
-                raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
+        self._check_scaling_params()
+        self._check_factor_lists()
+
+    def _check_scaling_params(self) -> None:
+        if self.rope_type in _NEEDS_ORIGINAL_MAX and not self.original_max_position_embeddings:
+            raise ValueError(
+                f"{self.rope_type} rope scaling needs original_max_position_embeddings"
+            )
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+        if self.rope_type == "yarn" and not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(
+                "yarn rope scaling needs 0 < beta_slow < beta_fast, got "
+                f"{self.beta_slow} and {self.beta_fast}"
+            )
+        if self.attention_factor is not None:
+            if self.rope_type not in ("yarn", "longrope"):
                 raise ValueError(
-                    "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                    f"{self.low_freq_factor} and {self.high_freq_factor}"
+                    f"attention_factor applies to yarn and longrope, not {self.rope_type}"
                 )
+            if self.attention_factor <= 0:
+                raise ValueError(f"rope attention_factor must be > 0, got {self.attention_factor}")
 
-    def inv_freq(self) -> np.ndarray:  # [rotary_dim // 2] float32
-        exponents = np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim
-        inv_freq = (1.0 / (self.theta**exponents)).astype(np.float32)
+    def _check_factor_lists(self) -> None:
+        owners = {"short_factor": "longrope", "long_factor": "longrope", "freq_factors": "default"}
+        for name, owner in owners.items():
+            value = getattr(self, name)
+            if value is None:
+                if self.rope_type == owner and owner == "longrope":
+                    raise ValueError(f"longrope rope scaling needs {name}")
+                continue
+            if self.rope_type != owner:
+                raise ValueError(f"{name} applies to rope_type {owner!r}, not {self.rope_type!r}")
+            if len(value) != self.rotary_dim // 2:
+                raise ValueError(
+                    f"{name} needs one entry per rotary frequency (rotary_dim // 2 = "
+                    f"{self.rotary_dim // 2}), got {len(value)}"
+                )
+            if min(value) <= 0:
+                raise ValueError(f"{name} entries must all be > 0, got {min(value)}")
+
+    def inv_freq(self, long_context: bool = False) -> np.ndarray:  # [rotary_dim // 2] float32
+        """The rotation frequencies. ``long_context`` selects longrope's long table (positions at
+        or past ``original_max_position_embeddings``); other kinds have a single table."""
+        base = rope_scaling.base_inv_freq(self.theta, self.rotary_dim)
         if self.rope_type == "linear":
-            return (inv_freq / np.float32(self.factor)).astype(np.float32)
+            return (base / self.factor).astype(np.float32)
         if self.rope_type == "llama3":
-            return self._llama3_inv_freq(inv_freq)
-        return inv_freq
+            return rope_scaling.llama3_inv_freq(
+                base,
+                self.factor,
+                self.low_freq_factor,
+                self.high_freq_factor,
+                self.original_max_position_embeddings,
+            )
+        if self.rope_type == "yarn":
+            return rope_scaling.yarn_inv_freq(
+                self.theta,
+                self.rotary_dim,
+                self.factor,
+                self.beta_fast,
+                self.beta_slow,
+                self.original_max_position_embeddings,
+                self.truncate,
+            )
+        if self.rope_type == "longrope":
+            factors = self.long_factor if long_context else self.short_factor
+            return rope_scaling.divided_inv_freq(base, factors)
+        if self.freq_factors is not None:
+            return rope_scaling.divided_inv_freq(base, self.freq_factors)
+        return base.astype(np.float32)
 
-    def _llama3_inv_freq(
-        self,
-        inv_freq: np.ndarray,  # [rotary_dim // 2] float32, unscaled
-    ) -> np.ndarray:  # [rotary_dim // 2] float32
-        old_len = float(self.original_max_position_embeddings)
-        low_freq_wavelen = old_len / self.low_freq_factor
-        high_freq_wavelen = old_len / self.high_freq_factor
-        inv = inv_freq.astype(np.float64)
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_freq_wavelen, inv / self.factor, inv)
-        smooth = (old_len / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+    @property
+    def attention_scale(self) -> float:
+        """The gain on cos and sin: ``attention_factor`` when set, else yarn's
+        ``0.1 * ln(factor) + 1``, longrope's ``sqrt(1 + ln(factor) / ln(original_max))``, or 1."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.rope_type == "yarn":
+            return rope_scaling.yarn_mscale(self.factor)
+        if self.rope_type == "longrope":
+            return rope_scaling.longrope_attention_factor(
+                self.factor, self.original_max_position_embeddings
+            )
+        return 1.0
 
 
 def rope_from_hf(hf: dict[str, Any], rotary_dim: int) -> RopeConfig:
     """Rope settings from an HF config dict: ``rope_parameters`` (transformers 5) or the older
-    top-level ``rope_theta`` plus ``rope_scaling`` dict (whose kind may be keyed ``type``)."""
+    top-level ``rope_theta`` plus ``rope_scaling`` dict (whose kind may be keyed ``type``).
+
+    Missing values are derived as transformers does: ``original_max_position_embeddings`` from the
+    top level (Phi-3 keeps it there), else the rope dict, else ``max_position_embeddings``; a
+    missing yarn/longrope ``factor`` is ``max_position_embeddings / original``; DeepSeek's
+    ``mscale`` / ``mscale_all_dim`` pair sets yarn's attention factor. ``rope_freq_factors`` (not
+    an HF key: the GGUF loader puts a Llama 3 file's ``rope_freqs`` there) divides the default
+    frequencies. ``interleaved`` is left to the architecture.
+    """
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "default":
-        return RopeConfig(theta=float(theta), rotary_dim=rotary_dim)
-    original = params.get("original_max_position_embeddings")
-    return RopeConfig(
-        theta=float(theta),
+    rope_type = LEGACY_ROPE_TYPES.get(rope_type, rope_type)
+    if rope_type == "default" or rope_type not in ROPE_TYPES:
+        # Unknown kinds are rejected by the config, with the list of supported ones.
+        # GGUF files for Llama 3 carry precomputed per-frequency divisors instead of parameters.
+        factors = hf.get("rope_freq_factors")
+        return RopeConfig(
+            theta=theta,
+            rotary_dim=rotary_dim,
+            rope_type=rope_type,
+            freq_factors=None if factors is None else tuple(float(f) for f in factors),
+        )
+    original = None
+    if rope_type in _NEEDS_ORIGINAL_MAX:
+        original = (
+            hf.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings")
+        )
+    common = dict(
+        theta=theta,
         rotary_dim=rotary_dim,
         rope_type=rope_type,
+        original_max_position_embeddings=None if original is None else int(original),
+    )
+    if rope_type == "yarn":
+        return _yarn_from_hf(hf, params, common)
+    if rope_type == "longrope":
+        return RopeConfig(
+            **common,
+            factor=_extension_factor(hf, params, common),
+            short_factor=params.get("short_factor"),
+            long_factor=params.get("long_factor"),
+            attention_factor=params.get("attention_factor"),
+        )
+    return RopeConfig(
+        **common,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=None if original is None else int(original),
     )
+
+
+def _extension_factor(hf: dict[str, Any], params: dict[str, Any], common: dict[str, Any]) -> float:
+    """The rope dict's ``factor``, or the context extension ratio when it has none."""
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    original = common["original_max_position_embeddings"]
+    if not hf.get("max_position_embeddings") or not original:
+        raise ValueError(
+            f"{common['rope_type']} rope scaling needs a factor, or max_position_embeddings and "
+            "original_max_position_embeddings to derive it"
+        )
+    return hf["max_position_embeddings"] / original
+
+
+def _yarn_from_hf(hf: dict[str, Any], params: dict[str, Any], common: dict[str, Any]) -> RopeConfig:
+    factor = _extension_factor(hf, params, common)
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = rope_scaling.yarn_mscale(factor, mscale) / rope_scaling.yarn_mscale(
+            factor, mscale_all_dim
+        )
+    return RopeConfig(
+        **common,
+        factor=factor,
+        # Zero or null betas mean the paper's defaults, as in transformers.
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+    )
+
+
+def _rotation_angles(
+    positions: jax.Array,  # [..., seq] int32
+    rope: RopeConfig,
+) -> jax.Array:  # [..., seq, rotary_dim // 2] float32
+    pos = positions.astype(jnp.float32)[..., None]
+    angles = pos * jnp.asarray(rope.inv_freq())
+    if rope.rope_type == "longrope":
+        long_angles = pos * jnp.asarray(rope.inv_freq(long_context=True))
+        is_long = positions[..., None] >= rope.original_max_position_embeddings
+        angles = jnp.where(is_long, long_angles, angles)
+    return angles
 
 
 def apply_rope(
     x: jax.Array,  # [..., seq, num_heads, head_dim]
     positions: jax.Array,  # [..., seq] int32
     rope: RopeConfig,
-) -> jax.Array:
-    """Rotate the first ``rotary_dim`` features of every head by its token's position."""
-    inv_freq = jnp.asarray(rope.inv_freq())
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., seq, rotary_dim // 2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    rot, rest = x[..., : rope.rotary_dim], x[..., rope.rotary_dim :]
-    half = rope.rotary_dim // 2
-    x1 = rot[..., :half].astype(jnp.float32)
-    x2 = rot[..., half:].astype(jnp.float32)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+) -> jax.Array:  # [..., seq, num_heads, head_dim], x.dtype
+    """Rotate the first ``rotary_dim`` features of every head by its token's position; the rest
+    pass through. Rotation and the ``attention_scale`` gain are computed in float32."""
+    angles = _rotation_angles(positions, rope)[..., None, :]  # [..., seq, 1, rotary_dim // 2]
+    scale = rope.attention_scale
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    rot, rest = x[..., : rope.rotary_dim].astype(jnp.float32), x[..., rope.rotary_dim :]
+    if rope.interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        pairs = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        rotated = pairs.reshape(rot.shape)
+    else:
+        half = rope.rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)

@@ -56,5 +56,5 @@ def test_legacy_rope_scaling_dict_is_read():
 
 
 def test_unsupported_rope_scaling_is_a_clear_error():
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        rope_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 16)
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, 16)

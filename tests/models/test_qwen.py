@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from models.registry import get_model_spec
 from tests.models.harness import TINY, check_against_hf
 
 
@@ -12,7 +11,7 @@ def test_qwen2_matches_hf(tmp_path):
     from transformers import Qwen2Config
 
     model = check_against_hf(Qwen2Config(**TINY, tie_word_embeddings=True), tmp_path)
-    assert "bq" in model.weights["layers"]
+    assert "bq" in model.weights["segments"][0]
 
 
 def test_qwen3_matches_hf(tmp_path):
@@ -21,11 +20,17 @@ def test_qwen3_matches_hf(tmp_path):
     # head_dim deliberately differs from hidden_size // num_attention_heads.
     model = check_against_hf(Qwen3Config(**TINY, head_dim=32), tmp_path)
     assert model.config.head_dim == 32
-    assert model.weights["layers"]["q_norm"].shape == (2, 32)
+    assert model.weights["segments"][0]["q_norm"].shape == (2, 32)
 
 
-@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-def test_sliding_window_is_refused(arch):
-    hf = {**TINY, "architectures": [arch], "use_sliding_window": True, "sliding_window": 16}
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        get_model_spec(arch).config_from_hf(hf)
+@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config"])
+def test_sliding_window_layers_match_hf(tmp_path, config_class):
+    import transformers
+
+    # Layers from max_window_layers on slide over 8 tokens; prompts and decode run past that.
+    hf_config = getattr(transformers, config_class)(
+        **TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
+    model = check_against_hf(hf_config, tmp_path)
+    assert model.config.sliding_layers == (False, True)
+    assert model.config.attention.sliding_window == 8

@@ -1,0 +1,282 @@
+"""The decoder-only transformer that every architecture here is a configuration of.
+
+A layer is: norm -> attention -> (post-norm) -> residual, then norm -> MLP or MoE -> (post-norm)
+-> residual; or, with ``parallel_residual`` (Phi-2, StableLM), x + attn(norm(x)) + mlp(norm(x)).
+What differs between architectures is data in ``DecoderConfig`` (norm kind, activation, biases,
+sandwich norms, sliding layers, soft-caps, embedding scale) and a table of checkpoint-name rules;
+the architecture files (``llama.py``, ``gemma.py``, ...) hold only those translations.
+
+Layers are stacked per field and run with ``lax.scan``. A model whose layers are not all alike
+(DeepSeek's dense layers before its MoE layers) is split into *segments* of alike layers, each
+scanned on its own; ``weights["segments"]`` holds one dict of stacked fields per segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.batch import StepBatch
+from models.layers.attention import (
+    FULL_WINDOW,
+    AttentionConfig,
+    LayerMeta,
+    paged_self_attention,
+)
+from models.layers.causal_attention import causal_self_attention
+from models.layers.mlp import check_activation, dense_mlp
+from models.layers.norms import NormConfig, apply_norm
+from models.weights import WeightRule, load_host_weights
+from pallas_kernels.paged_attention import KVCache
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Static description of one model. ``sliding_layers`` is empty (no layer slides) or one flag
+    per layer; sliding layers use ``attention.sliding_window`` and, when set,
+    ``attention.local_rope``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention: AttentionConfig
+    norm: NormConfig = field(default_factory=NormConfig)
+    activation: str = "silu"
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    parallel_residual: bool = False
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3, GLM-4)
+    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
+    final_soft_cap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
+    lm_head_bias: bool = False
+    sliding_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_activation(self.activation)
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers"
+            )
+        if any(self.sliding_layers) and self.attention.sliding_window is None:
+            raise ValueError("sliding layers need a sliding_window")
+        if self.final_soft_cap is not None and not self.final_soft_cap > 0:
+            raise ValueError(f"final logit soft-cap must be > 0, got {self.final_soft_cap}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` layer ranges scanned separately; all layers are alike here."""
+        return ((0, self.num_layers),)
+
+
+_GLOBAL_FIELDS = ("embed", "final_norm", "final_norm_b", "lm_head", "lm_head_b")
+
+
+def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight field and its shape; per-layer fields lead with the layer axis."""
+    a, n, h = cfg.attention, cfg.num_layers, cfg.hidden_size
+    shapes = {"embed": (cfg.vocab_size, h), **_norm_shapes(cfg, "final_norm", ())}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+        if cfg.lm_head_bias:
+            shapes["lm_head_b"] = (cfg.vocab_size,)
+    q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    shapes |= {
+        **_norm_shapes(cfg, "attn_norm", (n,)),
+        "wq": (n, h, q_width),
+        "wk": (n, h, kv_width),
+        "wv": (n, h, kv_width),
+        "wo": (n, q_width, h),
+    }
+    if a.qkv_bias:
+        shapes |= {"bq": (n, q_width), "bk": (n, kv_width), "bv": (n, kv_width)}
+    if a.o_bias:
+        shapes["bo"] = (n, h)
+    if a.qk_norm is not None:
+        q_shape = (n, a.num_heads, a.head_dim) if a.qk_norm_per_head else (n, a.head_dim)
+        k_shape = (n, a.num_kv_heads, a.head_dim) if a.qk_norm_per_head else (n, a.head_dim)
+        shapes |= {"q_norm": q_shape, "k_norm": k_shape}
+        if a.qk_norm.kind == "layer" and not a.qk_norm_per_head:
+            shapes |= {"q_norm_b": q_shape, "k_norm_b": k_shape}
+    if not cfg.parallel_residual:
+        shapes |= _norm_shapes(cfg, "mlp_norm", (n,))
+    if cfg.sandwich_norms:
+        shapes |= _norm_shapes(cfg, "attn_post_norm", (n,)) | _norm_shapes(
+            cfg, "mlp_post_norm", (n,)
+        )
+    return shapes | mlp_shapes(cfg, n)
+
+
+def _norm_shapes(cfg: DecoderConfig, name: str, lead: tuple[int, ...]) -> dict[str, tuple]:
+    shapes = {name: (*lead, cfg.hidden_size)}
+    if cfg.norm.kind == "layer":
+        shapes[name + "_b"] = (*lead, cfg.hidden_size)
+    return shapes
+
+
+def mlp_shapes(cfg: DecoderConfig, n: int) -> dict[str, tuple[int, ...]]:
+    """The dense MLP's fields for ``n`` stacked layers."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"w_up": (n, h, f), "w_down": (n, f, h)}
+    if cfg.gated_mlp:
+        shapes["w_gate"] = (n, h, f)
+    if cfg.mlp_bias:
+        shapes |= {"b_up": (n, f), "b_down": (n, h)}
+    return shapes
+
+
+def load(
+    cfg: DecoderConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: jnp.dtype,
+    num_tensors: int | None = None,
+    *,
+    rules: Sequence[WeightRule],
+) -> dict[str, Any]:
+    """Checkpoint tensors (HF names, mapped by ``rules``) -> the weight pytree ``forward`` takes."""
+    host = load_host_weights(weight_shapes(cfg), rules, tensors, dtype, num_tensors)
+    weights: dict[str, Any] = {k: jnp.asarray(v) for k, v in host.items() if k in _GLOBAL_FIELDS}
+    weights["segments"] = tuple(
+        {k: jnp.asarray(v[start:end]) for k, v in host.items() if k not in _GLOBAL_FIELDS}
+        for start, end in cfg.segments
+    )
+    return weights
+
+
+def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
+    """Stacked per-layer facts for layers ``start:end``."""
+    sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
+    window = cfg.attention.sliding_window or FULL_WINDOW
+    return LayerMeta(
+        index=jnp.arange(start, end, dtype=jnp.int32),
+        window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
+        local=jnp.asarray(sliding),
+    )
+
+
+def _norm(cfg: DecoderConfig, x: jax.Array, w: dict, name: str) -> jax.Array:
+    return apply_norm(cfg.norm, x, w[name], w.get(name + "_b"))
+
+
+def block(
+    cfg: DecoderConfig, x: jax.Array, lw: dict, attend: Callable, ffn: Callable
+) -> tuple[jax.Array, Any]:
+    """One layer around ``attend(h) -> (attention output, state)`` and ``ffn(h) -> MLP output``;
+    returns the new residual stream and attend's state (the updated cache, or None)."""
+    h = _norm(cfg, x, lw, "attn_norm")
+    attn, state = attend(h)
+    if cfg.parallel_residual:
+        return x + attn + ffn(h), state
+    if cfg.sandwich_norms:
+        attn = _norm(cfg, attn, lw, "attn_post_norm")
+    x = x + attn
+    out = ffn(_norm(cfg, x, lw, "mlp_norm"))
+    if cfg.sandwich_norms:
+        out = _norm(cfg, out, lw, "mlp_post_norm")
+    return x + out, state
+
+
+def feed_forward(cfg: DecoderConfig, lw: dict):
+    """The layer's MLP as a function of its normed input."""
+    return lambda h: dense_mlp(h, lw, cfg.activation, cfg.gated_mlp)
+
+
+def embed(cfg: DecoderConfig, weights: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    x = weights["embed"][tokens]  # [num_seqs, q_len, hidden]
+    if cfg.embed_scale is not None:
+        # HF rounds the scale to the activation dtype before multiplying.
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    return x
+
+
+def forward(
+    cfg: DecoderConfig, weights: dict[str, Any], cache: KVCache, batch: StepBatch
+) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
+    """Run the new tokens through all layers; return logits at each sequence's last new token."""
+    x = embed(cfg, weights, batch.tokens)
+
+    def layer_step(carry: tuple[jax.Array, KVCache], xs: tuple[dict, LayerMeta]):
+        x, cache = carry
+        lw, meta = xs
+
+        def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
+            return paged_self_attention(cfg.attention, h, lw, cache, meta, batch)
+
+        return block(cfg, x, lw, attend, feed_forward(cfg, lw)), None
+
+    for (start, end), seg in zip(cfg.segments, weights["segments"], strict=True):
+        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (seg, layer_meta(cfg, start, end)))
+    last = jnp.maximum(batch.q_lens - 1, 0)
+    h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
+    return lm_head(cfg, weights, final_norm(cfg, weights, h)), cache
+
+
+def final_norm(cfg: DecoderConfig, weights: dict[str, Any], h: jax.Array) -> jax.Array:
+    return apply_norm(cfg.norm, h, weights["final_norm"], weights.get("final_norm_b"))
+
+
+def lm_head(
+    cfg: DecoderConfig,
+    weights: dict[str, Any],
+    h: jax.Array,  # [..., hidden], final-normed
+) -> jax.Array:  # [..., vocab] float32
+    """Logits from final-normed hidden states (the tied embedding when there is no LM head)."""
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum(
+            "...h,vh->...v", h, weights["embed"], preferred_element_type=jnp.float32
+        )
+    else:
+        logits = jnp.einsum(
+            "...h,hv->...v", h, weights["lm_head"], preferred_element_type=jnp.float32
+        )
+        if cfg.lm_head_bias:
+            logits = logits + weights["lm_head_b"].astype(jnp.float32)
+    if cfg.final_soft_cap is not None:
+        logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    return logits
+
+
+def hidden_states(
+    cfg: DecoderConfig,
+    weights: dict[str, Any],
+    tokens: jax.Array,  # [num_seqs, seq_len] int32
+    positions: jax.Array,  # [num_seqs, seq_len] int32
+    lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
+) -> jax.Array:  # [num_seqs, seq_len, hidden] float32
+    """The final-normed hidden state of every position, without the KV cache (embeddings).
+
+    Attention is plain causal attention within each sequence's first ``lengths`` tokens; rows
+    past a sequence's length are padding and hold garbage.
+    """
+    x = embed(cfg, weights, tokens)
+
+    def layer_step(x: jax.Array, xs: tuple[dict, LayerMeta]) -> tuple[jax.Array, None]:
+        lw, meta = xs
+
+        def attend(h: jax.Array) -> tuple[jax.Array, None]:
+            return causal_self_attention(cfg.attention, h, lw, positions, lengths, meta), None
+
+        x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw))
+        return x, None
+
+    for (start, end), seg in zip(cfg.segments, weights["segments"], strict=True):
+        x, _ = jax.lax.scan(layer_step, x, (seg, layer_meta(cfg, start, end)))
+    return final_norm(cfg, weights, x).astype(jnp.float32)

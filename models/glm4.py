@@ -1,0 +1,44 @@
+"""GLM-4 (``Glm4ForCausalLM``): biased q/k/v, norms after attention and after the MLP, a fused
+gate_up projection, and rope on half of each head rotating adjacent pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from models.decoder import DecoderConfig
+from models.llama import LAYER
+from models.llama import config_from_hf as llama_like
+from models.weights import WeightRule
+
+
+def glm4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
+    cfg = llama_like(
+        {"partial_rotary_factor": 0.5, **hf},
+        attention={"qkv_bias": bool(hf.get("attention_bias", True)), "o_bias": False},
+        sandwich_norms=True,
+    )
+    rope = dataclasses.replace(cfg.attention.rope, interleaved=True)
+    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, rope=rope))
+
+
+GLM4_WEIGHT_RULES = (
+    WeightRule(r"model\.embed_tokens\.weight", "embed"),
+    WeightRule(r"model\.norm\.weight", "final_norm"),
+    WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
+    WeightRule(LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
+    WeightRule(LAYER + r"self_attn\.q_proj\.weight", "wq", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"self_attn\.v_proj\.weight", "wv", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"self_attn\.q_proj\.bias", "bq", per_layer=True),
+    WeightRule(LAYER + r"self_attn\.k_proj\.bias", "bk", per_layer=True),
+    WeightRule(LAYER + r"self_attn\.v_proj\.bias", "bv", per_layer=True),
+    WeightRule(LAYER + r"post_self_attn_layernorm\.weight", "attn_post_norm", per_layer=True),
+    WeightRule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
+    WeightRule(LAYER + r"post_mlp_layernorm\.weight", "mlp_post_norm", per_layer=True),
+    WeightRule(
+        LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), transpose=True, per_layer=True
+    ),
+    WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
+)

@@ -1,0 +1,274 @@
+"""Mixture-of-experts feed-forward block: route each token to ``top_k`` gated-MLP experts.
+
+One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3:
+
+1. Router logits ``x @ router`` in float32, turned into scores by softmax or sigmoid.
+2. Expert choice: ``top_k`` of the scores plus an optional per-expert bias (DeepSeek-V3's
+   ``e_score_correction_bias``), optionally restricted to the ``topk_groups`` best expert groups.
+3. Expert weights: the *uncorrected* scores of the chosen experts, optionally renormalised to sum
+   to one, then multiplied by ``routed_scaling_factor``.
+4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
+   (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
+
+A layer's weights are a mapping (see ``moe_weight_shapes``); matrices are stored ``[in, out]``:
+``router`` [hidden, num_experts], ``router_bias`` [num_experts] (with ``has_router_bias``),
+``e_gate``/``e_up`` [num_experts, hidden, expert_inter], ``e_down`` [num_experts, expert_inter,
+hidden], and with a shared expert ``s_gate``/``s_up`` [hidden, shared_inter], ``s_down``
+[shared_inter, hidden], ``s_router`` [hidden, 1] (with ``shared_gate``).
+
+How the experts are computed. Shapes are static under jit, so the token count ``T`` is known at
+trace time and picks one of two mechanisms; both are exact (no capacity limit, no dropped
+tokens) and agree to float rounding:
+
+* ``T * top_k <= num_experts`` (decode, small batches): every (token, slot) gathers its expert's
+  weights and runs a batched mat-vec. The gathered volume is at most one copy of the layer's
+  expert weights, so a decode step reads only the experts it uses rather than all of them.
+* otherwise (prefill, big batches): the (token, slot) rows are sorted by expert and run through
+  ``jax.lax.ragged_dot``, a grouped matmul over contiguous per-expert row blocks, so each row
+  meets only its own expert. TPU lowers it to a native grouped matmul. JAX on CPU (and XLA on
+  GPU where it has no grouped kernel for the dtype) expands it into a masked dense dot over all
+  experts: correct, but ``num_experts`` times the needed flops; GPU speed is unmeasured.
+  Gathering weights per row instead would copy ``T * top_k`` expert matrices, which prefill
+  cannot afford.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from models.layers.linear import linear
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
+}
+# Router logits -> per-expert scores, over the expert axis.
+_SCORINGS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "softmax": partial(jax.nn.softmax, axis=-1),
+    "sigmoid": jax.nn.sigmoid,
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid": router logits -> per-expert scores
+    norm_topk_prob: bool = False  # renormalise the chosen experts' scores to sum to one
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    # Grouped selection (DeepSeek): keep the ``topk_groups`` of ``num_groups`` equal expert groups
+    # whose best ``group_score_topn`` scores sum highest, then pick top_k inside them.
+    num_groups: int | None = None
+    topk_groups: int | None = None
+    group_score_topn: int = 1
+    has_router_bias: bool = False  # ``router_bias`` shifts the choice, never the weights
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "expert_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        if self.scoring not in _SCORINGS:
+            raise ValueError(f"scoring must be one of {sorted(_SCORINGS)}, got {self.scoring!r}")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ValueError(
+                f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor}"
+            )
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}"
+            )
+        if self.shared_intermediate_size < 0:
+            raise ValueError(
+                f"shared_intermediate_size must be >= 0 (0 = no shared expert), "
+                f"got {self.shared_intermediate_size}"
+            )
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("shared_gate needs a shared expert: set shared_intermediate_size")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if (self.num_groups is None) != (self.topk_groups is None):
+            raise ValueError("set num_groups and topk_groups together, or neither")
+        if self.num_groups is None or self.topk_groups is None:
+            return
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"num_groups ({self.num_groups}) must be >= 1 and divide "
+                f"num_experts ({self.num_experts})"
+            )
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"topk_groups ({self.topk_groups}) must be in [1, num_groups={self.num_groups}]"
+            )
+        per_group = self.num_experts // self.num_groups
+        if not 1 <= self.group_score_topn <= per_group:
+            raise ValueError(
+                f"group_score_topn ({self.group_score_topn}) must be in [1, experts per group "
+                f"= {per_group}]"
+            )
+        if self.top_k > self.topk_groups * per_group:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {self.topk_groups * per_group} experts in "
+                f"the kept groups; raise topk_groups"
+            )
+
+
+def moe_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """Every weight one MoE layer reads, with its shape (``[in, out]`` for matrices)."""
+    e, h, i = cfg.num_experts, hidden_size, cfg.expert_intermediate_size
+    shapes = {
+        "router": (h, e),
+        "e_gate": (e, h, i),
+        "e_up": (e, h, i),
+        "e_down": (e, i, h),
+    }
+    if cfg.has_router_bias:
+        shapes["router_bias"] = (e,)
+    if cfg.shared_intermediate_size:
+        s = cfg.shared_intermediate_size
+        shapes.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
+        if cfg.shared_gate:
+            shapes["s_router"] = (h, 1)
+    return shapes
+
+
+def route(
+    cfg: MoEConfig,
+    x: jax.Array,  # [num_tokens, hidden]
+    router: jax.Array,  # [hidden, num_experts]
+    router_bias: jax.Array | None = None,  # [num_experts]; used only to choose experts
+) -> tuple[jax.Array, jax.Array]:
+    """The chosen experts and their weights, both ``[num_tokens, top_k]``.
+
+    Returns ``(experts int32, weights float32)``; slots come in no particular order.
+    """
+    logits = jnp.einsum(
+        "th,he->te", x.astype(jnp.float32), router.astype(jnp.float32)
+    )  # [num_tokens, num_experts]
+    scores = _SCORINGS[cfg.scoring](logits)
+    choice = scores if router_bias is None else scores + router_bias.astype(jnp.float32)
+    if cfg.num_groups is not None:
+        choice = jnp.where(_kept_groups(cfg, choice), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.top_k)  # [num_tokens, top_k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        # The tiny floor only matters for sigmoid scores that all underflow to zero.
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def _kept_groups(
+    cfg: MoEConfig,
+    choice: jax.Array,  # [num_tokens, num_experts] float32
+) -> jax.Array:  # [num_tokens, num_experts] bool: expert lies in one of the kept groups
+    assert cfg.num_groups is not None and cfg.topk_groups is not None
+    num_tokens = choice.shape[0]
+    grouped = choice.reshape(num_tokens, cfg.num_groups, -1)
+    group_scores = jax.lax.top_k(grouped, cfg.group_score_topn)[0].sum(axis=-1)
+    _, kept = jax.lax.top_k(group_scores, cfg.topk_groups)  # [num_tokens, topk_groups]
+    kept_mask = (kept[:, :, None] == jnp.arange(cfg.num_groups)).any(axis=1)
+    return jnp.repeat(kept_mask, cfg.num_experts // cfg.num_groups, axis=-1)
+
+
+def experts_gathered(
+    x: jax.Array,  # [num_tokens, hidden]
+    experts: jax.Array,  # [num_tokens, top_k] int32
+    e_gate: jax.Array,  # [num_experts, hidden, expert_inter]
+    e_up: jax.Array,  # [num_experts, hidden, expert_inter]
+    e_down: jax.Array,  # [num_experts, expert_inter, hidden]
+    activation: str = "silu",
+) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
+    """Each chosen expert's MLP output per (token, slot), from gathered expert weights."""
+    act = _ACTIVATIONS[activation]
+
+    def proj(spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
+        w = jnp.take(w, experts, axis=0).astype(x.dtype)
+        return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    h = act(proj("th,tkhi->tki", x, e_gate)) * proj("th,tkhi->tki", x, e_up)
+    return proj("tki,tkih->tkh", h, e_down)
+
+
+def experts_grouped(
+    x: jax.Array,  # [num_tokens, hidden]
+    experts: jax.Array,  # [num_tokens, top_k] int32
+    e_gate: jax.Array,  # [num_experts, hidden, expert_inter]
+    e_up: jax.Array,  # [num_experts, hidden, expert_inter]
+    e_down: jax.Array,  # [num_experts, expert_inter, hidden]
+    activation: str = "silu",
+) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
+    """Same contract as ``experts_gathered``, as a grouped matmul over rows sorted by expert."""
+    act = _ACTIVATIONS[activation]
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)  # [num_tokens * top_k]
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=e_gate.shape[0]).astype(jnp.int32)
+    rows = x[order // top_k]  # [num_tokens * top_k, hidden], expert-contiguous
+
+    def proj(a: jax.Array, w: jax.Array) -> jax.Array:
+        y = jax.lax.ragged_dot(
+            a, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
+        )
+        return y.astype(x.dtype)
+
+    out = proj(act(proj(rows, e_gate)) * proj(rows, e_up), e_down)
+    # Undo the sort with a gather rather than a scatter: deterministic on every backend.
+    unsorted = out[jnp.argsort(order)]
+    return unsorted.reshape(num_tokens, top_k, -1)
+
+
+def moe_mlp(
+    cfg: MoEConfig,
+    x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
+    lw: Mapping[str, jax.Array],  # one layer's MoE weights (see ``moe_weight_shapes``)
+) -> jax.Array:  # [..., hidden] in x's dtype
+    """The MoE block's output for every token; tokens never interact, so padding rows are
+    computed like any other and are the caller's to ignore. Shape-static and jit/scan friendly.
+
+    Raises ValueError at trace time when a weight is missing or has the wrong shape.
+    """
+    hidden = x.shape[-1]
+    _check_weights(cfg, hidden, lw)
+    tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
+    bias = lw["router_bias"] if cfg.has_router_bias else None
+    experts, weights = route(cfg, tokens, lw["router"], bias)
+    compute = (
+        experts_gathered if tokens.shape[0] * cfg.top_k <= cfg.num_experts else experts_grouped
+    )
+    per_slot = compute(tokens, experts, lw["e_gate"], lw["e_up"], lw["e_down"], cfg.activation)
+    out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
+    if cfg.shared_intermediate_size:
+        act = _ACTIVATIONS[cfg.activation]
+        shared = linear(
+            act(linear(tokens, lw["s_gate"])) * linear(tokens, lw["s_up"]), lw["s_down"]
+        )
+        shared = shared.astype(jnp.float32)
+        if cfg.shared_gate:
+            shared = shared * jax.nn.sigmoid(linear(tokens, lw["s_router"]).astype(jnp.float32))
+        out = out + shared
+    return out.astype(x.dtype).reshape(x.shape)
+
+
+def _check_weights(cfg: MoEConfig, hidden: int, lw: Mapping[str, jax.Array]) -> None:
+    # Shapes are static, so this costs nothing at run time and turns a silently transposed or
+    # missing tensor into a message naming it.
+    for name, shape in moe_weight_shapes(cfg, hidden).items():
+        if name not in lw:
+            raise ValueError(f"MoE weights lack {name!r} (expected shape {shape})")
+        if tuple(lw[name].shape) != shape:
+            raise ValueError(
+                f"MoE weight {name!r} has shape {tuple(lw[name].shape)}, expected {shape}"
+            )
