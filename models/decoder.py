@@ -29,17 +29,21 @@ from models.layers.attention import (
     paged_self_attention,
 )
 from models.layers.causal_attention import causal_self_attention
+from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
 from models.layers.mlp import check_activation, dense_mlp
+from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from models.layers.norms import NormConfig, apply_norm
 from models.weights import WeightRule, load_host_weights
-from pallas_kernels.paged_attention import KVCache
+from pallas_kernels.paged_attention import KVCache, kv_cache_shape
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """Static description of one model. ``sliding_layers`` is empty (no layer slides) or one flag
     per layer; sliding layers use ``attention.sliding_window`` and, when set,
-    ``attention.local_rope``."""
+    ``attention.local_rope``. ``attention`` is multi-head latent attention (DeepSeek) when it is
+    an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on replace the MLP with
+    mixture-of-experts; the layers before keep the dense MLP of ``intermediate_size``."""
 
     vocab_size: int
     hidden_size: int
@@ -47,7 +51,7 @@ class DecoderConfig:
     num_layers: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention: AttentionConfig
+    attention: AttentionConfig | MLAConfig
     norm: NormConfig = field(default_factory=NormConfig)
     activation: str = "silu"
     gated_mlp: bool = True
@@ -58,6 +62,8 @@ class DecoderConfig:
     final_soft_cap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     lm_head_bias: bool = False
     sliding_layers: tuple[bool, ...] = ()
+    moe: MoEConfig | None = None
+    first_moe_layer: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -68,44 +74,73 @@ class DecoderConfig:
             raise ValueError(
                 f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers"
             )
-        if any(self.sliding_layers) and self.attention.sliding_window is None:
+        if not 0 <= self.first_moe_layer <= self.num_layers:
+            raise ValueError(f"first_moe_layer {self.first_moe_layer} is not a layer index")
+        if any(self.sliding_layers) and getattr(self.attention, "sliding_window", None) is None:
             raise ValueError("sliding layers need a sliding_window")
         if self.final_soft_cap is not None and not self.final_soft_cap > 0:
             raise ValueError(f"final logit soft-cap must be > 0, got {self.final_soft_cap}")
 
     @property
     def num_kv_heads(self) -> int:
-        return self.attention.num_kv_heads
+        """KV heads per cache row (1 for MLA's shared latent)."""
+        return 1 if isinstance(self.attention, MLAConfig) else self.attention.num_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """Width of one cached K row (MLA: the latent plus the rotary key)."""
+        if isinstance(self.attention, MLAConfig):
+            return self.attention.cache_head_dim
         return self.attention.head_dim
 
+    def cache_shapes(self, num_pages: int, page_size: int) -> tuple[tuple[int, ...], ...]:
+        """Shapes of ``KVCache.k`` and ``KVCache.v`` (MLA keeps no separate V: its V is empty)."""
+        if isinstance(self.attention, MLAConfig):
+            return mla_cache_shapes(self.attention, self.num_layers, num_pages, page_size)
+        shape = kv_cache_shape(
+            self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim
+        )
+        return shape, shape
+
     @property
-    def segments(self) -> tuple[tuple[int, int], ...]:
-        """``(start, end)`` layer ranges scanned separately; all layers are alike here."""
-        return ((0, self.num_layers),)
+    def segments(self) -> tuple[tuple[int, int, bool], ...]:
+        """``(start, end, is_moe)`` runs of alike layers, each scanned separately."""
+        if self.moe is None:
+            return ((0, self.num_layers, False),)
+        runs = ((0, self.first_moe_layer, False), (self.first_moe_layer, self.num_layers, True))
+        return tuple(run for run in runs if run[1] > run[0])
 
 
 _GLOBAL_FIELDS = ("embed", "final_norm", "final_norm_b", "lm_head", "lm_head_b")
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight field and its shape; per-layer fields lead with the layer axis."""
-    a, n, h = cfg.attention, cfg.num_layers, cfg.hidden_size
+    """Every weight field and its shape; per-layer fields lead with the layer axis (MLP fields
+    with their segment's layers: see ``ffn_shapes``)."""
+    n, h = cfg.num_layers, cfg.hidden_size
     shapes = {"embed": (cfg.vocab_size, h), **_norm_shapes(cfg, "final_norm", ())}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, cfg.vocab_size)
         if cfg.lm_head_bias:
             shapes["lm_head_b"] = (cfg.vocab_size,)
+    shapes |= _norm_shapes(cfg, "attn_norm", (n,))
+    if isinstance(cfg.attention, MLAConfig):
+        shapes |= mla_weight_shapes(cfg.attention, h, n)
+    else:
+        shapes |= _attention_shapes(cfg.attention, h, n)
+    if not cfg.parallel_residual:
+        shapes |= _norm_shapes(cfg, "mlp_norm", (n,))
+    if cfg.sandwich_norms:
+        shapes |= _norm_shapes(cfg, "attn_post_norm", (n,)) | _norm_shapes(
+            cfg, "mlp_post_norm", (n,)
+        )
+    return shapes | ffn_shapes(cfg, dense=True) | ffn_shapes(cfg, dense=False)
+
+
+def _attention_shapes(a: AttentionConfig, h: int, n: int) -> dict[str, tuple[int, ...]]:
     q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    shapes |= {
-        **_norm_shapes(cfg, "attn_norm", (n,)),
-        "wq": (n, h, q_width),
-        "wk": (n, h, kv_width),
-        "wv": (n, h, kv_width),
-        "wo": (n, q_width, h),
-    }
+    shapes = {"wq": (n, h, q_width), "wk": (n, h, kv_width), "wv": (n, h, kv_width)}
+    shapes["wo"] = (n, q_width, h)
     if a.qkv_bias:
         shapes |= {"bq": (n, q_width), "bk": (n, kv_width), "bv": (n, kv_width)}
     if a.o_bias:
@@ -116,13 +151,7 @@ def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_norm": q_shape, "k_norm": k_shape}
         if a.qk_norm.kind == "layer" and not a.qk_norm_per_head:
             shapes |= {"q_norm_b": q_shape, "k_norm_b": k_shape}
-    if not cfg.parallel_residual:
-        shapes |= _norm_shapes(cfg, "mlp_norm", (n,))
-    if cfg.sandwich_norms:
-        shapes |= _norm_shapes(cfg, "attn_post_norm", (n,)) | _norm_shapes(
-            cfg, "mlp_post_norm", (n,)
-        )
-    return shapes | mlp_shapes(cfg, n)
+    return shapes
 
 
 def _norm_shapes(cfg: DecoderConfig, name: str, lead: tuple[int, ...]) -> dict[str, tuple]:
@@ -132,8 +161,13 @@ def _norm_shapes(cfg: DecoderConfig, name: str, lead: tuple[int, ...]) -> dict[s
     return shapes
 
 
-def mlp_shapes(cfg: DecoderConfig, n: int) -> dict[str, tuple[int, ...]]:
-    """The dense MLP's fields for ``n`` stacked layers."""
+def ffn_shapes(cfg: DecoderConfig, dense: bool) -> dict[str, tuple[int, ...]]:
+    """The dense MLP's (or the MoE's) fields, stacked over the layers that have them."""
+    n = sum(end - start for start, end, is_moe in cfg.segments if is_moe != dense)
+    if n == 0:
+        return {}
+    if not dense:
+        return {k: (n, *v) for k, v in moe_weight_shapes(cfg.moe, cfg.hidden_size).items()}
     h, f = cfg.hidden_size, cfg.intermediate_size
     shapes = {"w_up": (n, h, f), "w_down": (n, f, h)}
     if cfg.gated_mlp:
@@ -152,19 +186,26 @@ def load(
     rules: Sequence[WeightRule],
 ) -> dict[str, Any]:
     """Checkpoint tensors (HF names, mapped by ``rules``) -> the weight pytree ``forward`` takes."""
-    host = load_host_weights(weight_shapes(cfg), rules, tensors, dtype, num_tensors)
+    shapes = weight_shapes(cfg)
+    moe_fields = ffn_shapes(cfg, dense=False)
+    first_layer = dict.fromkeys(moe_fields, cfg.first_moe_layer)
+    host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer)
     weights: dict[str, Any] = {k: jnp.asarray(v) for k, v in host.items() if k in _GLOBAL_FIELDS}
-    weights["segments"] = tuple(
-        {k: jnp.asarray(v[start:end]) for k, v in host.items() if k not in _GLOBAL_FIELDS}
-        for start, end in cfg.segments
-    )
+    dense_fields = ffn_shapes(cfg, dense=True)
+    layer_fields = [k for k in host if k not in (*_GLOBAL_FIELDS, *dense_fields, *moe_fields)]
+    segments = []
+    for start, end, is_moe in cfg.segments:
+        seg = {k: jnp.asarray(host[k][start:end]) for k in layer_fields}
+        seg |= {k: jnp.asarray(host[k]) for k in (moe_fields if is_moe else dense_fields)}
+        segments.append(seg)
+    weights["segments"] = tuple(segments)
     return weights
 
 
 def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
     """Stacked per-layer facts for layers ``start:end``."""
     sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
-    window = cfg.attention.sliding_window or FULL_WINDOW
+    window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
     return LayerMeta(
         index=jnp.arange(start, end, dtype=jnp.int32),
         window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
@@ -194,8 +235,10 @@ def block(
     return x + out, state
 
 
-def feed_forward(cfg: DecoderConfig, lw: dict):
-    """The layer's MLP as a function of its normed input."""
+def feed_forward(cfg: DecoderConfig, lw: dict, is_moe: bool) -> Callable:
+    """The layer's MLP (or MoE) as a function of its normed input."""
+    if is_moe:
+        return lambda h: moe_mlp(cfg.moe, h, lw)
     return lambda h: dense_mlp(h, lw, cfg.activation, cfg.gated_mlp)
 
 
@@ -213,16 +256,19 @@ def forward(
     """Run the new tokens through all layers; return logits at each sequence's last new token."""
     x = embed(cfg, weights, batch.tokens)
 
-    def layer_step(carry: tuple[jax.Array, KVCache], xs: tuple[dict, LayerMeta]):
-        x, cache = carry
-        lw, meta = xs
+    for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
 
-        def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
-            return paged_self_attention(cfg.attention, h, lw, cache, meta, batch)
+        def layer_step(carry: tuple[jax.Array, KVCache], xs: tuple[dict, LayerMeta], is_moe=is_moe):
+            x, cache = carry
+            lw, meta = xs
 
-        return block(cfg, x, lw, attend, feed_forward(cfg, lw)), None
+            def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
+                if isinstance(cfg.attention, MLAConfig):
+                    return paged_mla(cfg.attention, h, lw, cache, meta.index, batch)
+                return paged_self_attention(cfg.attention, h, lw, cache, meta, batch)
 
-    for (start, end), seg in zip(cfg.segments, weights["segments"], strict=True):
+            return block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe)), None
+
         (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (seg, layer_meta(cfg, start, end)))
     last = jnp.maximum(batch.q_lens - 1, 0)
     h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
@@ -268,15 +314,18 @@ def hidden_states(
     """
     x = embed(cfg, weights, tokens)
 
-    def layer_step(x: jax.Array, xs: tuple[dict, LayerMeta]) -> tuple[jax.Array, None]:
-        lw, meta = xs
+    for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
 
-        def attend(h: jax.Array) -> tuple[jax.Array, None]:
-            return causal_self_attention(cfg.attention, h, lw, positions, lengths, meta), None
+        def layer_step(x: jax.Array, xs: tuple[dict, LayerMeta], is_moe=is_moe):
+            lw, meta = xs
 
-        x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw))
-        return x, None
+            def attend(h: jax.Array) -> tuple[jax.Array, None]:
+                if isinstance(cfg.attention, MLAConfig):
+                    return mla_causal(cfg.attention, h, lw, positions, lengths), None
+                return causal_self_attention(cfg.attention, h, lw, positions, lengths, meta), None
 
-    for (start, end), seg in zip(cfg.segments, weights["segments"], strict=True):
+            x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe))
+            return x, None
+
         x, _ = jax.lax.scan(layer_step, x, (seg, layer_meta(cfg, start, end)))
     return final_norm(cfg, weights, x).astype(jnp.float32)

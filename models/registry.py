@@ -9,7 +9,18 @@ from typing import Any
 
 import numpy as np
 
-from models import decoder, gemma, glm4, llama, mistral, phi, qwen2, qwen3, stablelm
+from models import (
+    decoder,
+    gemma,
+    glm4,
+    llama,
+    mistral,
+    moe_models,
+    phi,
+    qwen2,
+    qwen3,
+    stablelm,
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,29 @@ _SPECS = {
             "StableLmForCausalLM", stablelm.stablelm_config_from_hf, stablelm.STABLELM_WEIGHT_RULES
         ),
         _decoder("Glm4ForCausalLM", glm4.glm4_config_from_hf, glm4.GLM4_WEIGHT_RULES),
+        _decoder(
+            "MixtralForCausalLM", moe_models.mixtral_config_from_hf, moe_models.MIXTRAL_WEIGHT_RULES
+        ),
+        _decoder(
+            "Qwen2MoeForCausalLM",
+            moe_models.qwen2_moe_config_from_hf,
+            moe_models.QWEN_MOE_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3MoeForCausalLM",
+            moe_models.qwen3_moe_config_from_hf,
+            moe_models.QWEN_MOE_WEIGHT_RULES,
+        ),
+        _decoder(
+            "DeepseekV2ForCausalLM",
+            moe_models.deepseek_config_from_hf,
+            moe_models.DEEPSEEK_WEIGHT_RULES,
+        ),
+        _decoder(
+            "DeepseekV3ForCausalLM",
+            moe_models.deepseek_config_from_hf,
+            moe_models.DEEPSEEK_WEIGHT_RULES,
+        ),
     )
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from models.registry import GGUF_ARCHITECTURES, get_model_spec
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape
+from pallas_kernels.paged_attention import KVCache
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
 from runtime.embedder import EmbeddingRunner
@@ -57,14 +58,9 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype)
     weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
 
-    page_bytes = (
-        2
-        * model_config.num_layers
-        * config.page_size
-        * model_config.num_kv_heads
-        * model_config.head_dim
-        * dtype.itemsize
-    )
+    page_bytes = sum(
+        math.prod(shape) for shape in model_config.cache_shapes(1, config.page_size)
+    ) * dtype.itemsize
     num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
@@ -79,13 +75,7 @@ def build_engine(config: EngineConfig) -> Engine:
         num_pages * page_bytes / 2**20,
         max_model_len,
     )
-    shape = kv_cache_shape(
-        model_config.num_layers,
-        num_pages,
-        config.page_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-    )
+    k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
@@ -93,7 +83,7 @@ def build_engine(config: EngineConfig) -> Engine:
         spec,
         model_config,
         weights,
-        KVCache.zeros(shape, dtype),
+        KVCache.zeros(k_shape, dtype, v_shape),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
     )

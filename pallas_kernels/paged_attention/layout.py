@@ -67,5 +67,8 @@ class KVCache:
     v: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    def zeros(
+        cls, shape: tuple[int, ...], dtype: jnp.dtype, v_shape: tuple[int, ...] | None = None
+    ) -> KVCache:
+        """A zeroed cache; V has K's shape unless ``v_shape`` says otherwise (MLA's empty V)."""
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape or shape, dtype))

@@ -17,7 +17,7 @@ import numpy as np
 
 from models.batch import StepBatch
 from models.registry import get_model_spec
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape
+from pallas_kernels.paged_attention import KVCache
 from runtime.hf_loader import load_hf_checkpoint
 
 PROMPT_LENS = (5, 13, 22)
@@ -74,9 +74,9 @@ class PagedRunner:
         self.model = model
         self.pages_per_seq = -(-max_len // PAGE_SIZE)
         num_pages = num_seqs * self.pages_per_seq + 3  # a few pages that nobody owns
-        shape = kv_cache_shape(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        k_shape, v_shape = cfg.cache_shapes(num_pages, PAGE_SIZE)
         self.cache = KVCache(
-            k=rng.standard_normal(shape, np.float32), v=rng.standard_normal(shape, np.float32)
+            k=rng.standard_normal(k_shape, np.float32), v=rng.standard_normal(v_shape, np.float32)
         )
         pages = rng.permutation(num_pages)[: num_seqs * self.pages_per_seq]
         self.page_indices = pages.reshape(num_seqs, self.pages_per_seq).astype(np.int32)

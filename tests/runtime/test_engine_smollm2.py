@@ -94,16 +94,8 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     spec = get_model_spec("LlamaForCausalLM")
     n = len(ids)
     pages = -(-n // runner.plan.page_size)
-    cache = KVCache.zeros(
-        (
-            runner.config.num_layers,
-            pages,
-            runner.plan.page_size,
-            runner.config.num_kv_heads,
-            runner.config.head_dim,
-        ),
-        np.float32,
-    )
+    k_shape, v_shape = runner.config.cache_shapes(pages, runner.plan.page_size)
+    cache = KVCache.zeros(k_shape, np.float32, v_shape)
     batch = StepBatch(
         tokens=np.asarray([ids], np.int32),
         positions=np.arange(n, dtype=np.int32)[None],
