@@ -118,7 +118,7 @@ def deepseek_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         activation=hf.get("hidden_act", "silu"),
     )
     base = llama_like({**hf, "head_dim": hf.get("v_head_dim")}, moe=moe, first_moe_layer=first)
-    return DecoderConfig(**{**base.__dict__, "attention": mla_config_from_hf(hf), "moe": moe})
+    return dataclasses.replace(base, attention=mla_config_from_hf(hf))
 
 
 _DENSE_RULES = tuple(r for r in WEIGHT_RULES if "self_attn" not in r.pattern)

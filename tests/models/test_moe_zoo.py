@@ -70,9 +70,7 @@ _MLA = dict(
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])
 def test_deepseek_v3(tmp_path, q_lora_rank):
-    hf = _config(
-        "DeepseekV3Config", q_lora_rank=q_lora_rank, n_group=4, topk_group=2, **_MLA
-    )
+    hf = _config("DeepseekV3Config", q_lora_rank=q_lora_rank, n_group=4, topk_group=2, **_MLA)
     model = check_against_hf(hf, tmp_path)
     assert model.config.segments == ((0, 1, False), (1, 3, True))
     assert model.config.cache_shapes(5, 4) == ((3, 5, 4, 1, 24), (3, 5, 4, 1, 0))

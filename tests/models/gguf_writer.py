@@ -1,0 +1,293 @@
+"""Write a tiny HF model as GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does (test side).
+
+The tensor names come from gguf's own ``TensorNameMap`` and the metadata keys from
+``GGUFWriter.add_*``; the converter's transforms are redone here from its description: the llama
+q/k row interleave, Gemma's ``norm + 1``, experts and StableLM's per-head norms stacked into one
+tensor, DeepSeek's kv_b_proj split into a transposed k_b and a v_b, Llama 3's ``rope_freqs`` and
+Phi-3's longrope factors as tensors. Nothing here reads ``runtime.gguf_*``, so loading the file
+back is an independent round trip.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.quants import QuantError, quantize
+
+from tests.models.gguf_writer_metadata import (
+    deepseek_metadata,
+    gemma2_metadata,
+    gemma3_metadata,
+    glm4_metadata,
+    head_dim_of,
+    llama_metadata,
+    moe_metadata,
+    phi3_metadata,
+    rope_parameters,
+    stablelm_metadata,
+    text_metadata,
+)
+
+_SUFFIXES = (".weight", ".bias")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk]_layernorm)\.norms\.(\d+)\.weight")
+# Tensors the converter keeps in float32 whatever the output type.
+_F32_TENSORS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """One converter class: the GGUF architecture, its metadata step and its tensor steps."""
+
+    gguf_arch: gguf.MODEL_ARCH
+    metadata: Callable[[gguf.GGUFWriter, dict[str, Any]], None]
+    tensors: Callable[[Tensors, dict[str, Any]], Tensors]
+    extra: Callable[[dict[str, Any]], Tensors] = lambda hp: {}
+
+
+def write_gguf(
+    model_or_state_dict: Any,
+    hf_config: Any,
+    path: Path,
+    *,
+    split_into: int | None = None,
+    qtype: str = "f32",
+    fuse_qkv: bool = False,
+    split_kv_b: bool = True,
+) -> list[Path]:
+    """Convert a float32 HF model (or its on-disk state dict) to GGUF; return the files written.
+
+    ``split_into`` writes that many gguf-split shards (``<stem>-00001-of-0000N.gguf`` ...).
+    ``qtype`` ("f32", "f16", "q8_0") is the type of the matrices; norms, routers and vectors stay
+    float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``; ``split_kv_b=False``
+    writes DeepSeek's older single ``attn_kv_b``. No tokenizer is written.
+    """
+    hp = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    # A model not yet saved has no "architectures"; its class says the same.
+    names = hp.get("architectures") or [type(model_or_state_dict).__name__]
+    arch = _ARCHS[names[0]]
+    if not split_kv_b:
+        if arch.gguf_arch != gguf.MODEL_ARCH.DEEPSEEK2:
+            raise ValueError("split_kv_b=False only applies to DeepSeek models")
+        arch = _Arch(
+            arch.gguf_arch,
+            partial(deepseek_metadata, split_kv_b=False),
+            partial(_deepseek_tensors, split_kv_b=False),
+        )
+    state = _state_dict(model_or_state_dict)
+    tensors = {**arch.extra(hp), **_gguf_names(arch, arch.tensors(state, hp), hp)}
+    if fuse_qkv:
+        tensors = _fuse_qkv(tensors)
+    per_shard = math.ceil(len(tensors) / split_into) if split_into else 0
+    writer = gguf.GGUFWriter(
+        path, gguf.MODEL_ARCH_NAMES[arch.gguf_arch], split_max_tensors=per_shard
+    )
+    arch.metadata(writer, hp)
+    for name, array in tensors.items():
+        _add_tensor(writer, name, array, qtype)
+    files = writer.format_shard_names(Path(path))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_into and len(files) != split_into:
+        raise ValueError(f"{len(tensors)} tensors do not make {split_into} shards")
+    return files
+
+
+def _state_dict(model_or_state_dict: Any) -> Tensors:
+    if hasattr(model_or_state_dict, "save_pretrained"):
+        from safetensors.numpy import load_file
+
+        # save_pretrained writes the on-disk names (per-expert tensors) the converter reads.
+        with tempfile.TemporaryDirectory() as folder:
+            model_or_state_dict.save_pretrained(folder)
+            return {
+                k: v for f in Path(folder).glob("*.safetensors") for k, v in load_file(f).items()
+            }
+    return {
+        name: np.asarray(t.detach().float().numpy() if hasattr(t, "detach") else t, np.float32)
+        for name, t in model_or_state_dict.items()
+    }
+
+
+def _gguf_names(arch: _Arch, tensors: Tensors, hp: dict[str, Any]) -> Tensors:
+    name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp["num_hidden_layers"])
+    out = {}
+    for name, array in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        new = name_map.get_name(name, try_suffixes=_SUFFIXES)
+        if new is None:
+            raise ValueError(f"gguf has no name for {name!r} in {arch.gguf_arch.name}")
+        out[new] = array
+    return out
+
+
+def _fuse_qkv(tensors: Tensors) -> Tensors:
+    out = {}
+    for name, array in tensors.items():
+        if match := re.fullmatch(r"(blk\.\d+\.)attn_q(\.weight|\.bias)", name):
+            parts = [tensors[f"{match[1]}attn_{x}{match[2]}"] for x in "qkv"]
+            out[f"{match[1]}attn_qkv{match[2]}"] = np.concatenate(parts, axis=0)
+        elif not re.fullmatch(r"blk\.\d+\.attn_[kv](\.weight|\.bias)", name):
+            out[name] = array
+    return out
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: str) -> None:
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if qtype == "f32" or array.ndim < 2 or name.endswith(_F32_TENSORS):
+        writer.add_tensor(name, array)
+    elif qtype == "f16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        try:
+            writer.add_tensor(name, quantize(array, q8), raw_dtype=q8)
+        except QuantError:  # rows not a multiple of 32: the converter falls back to F16
+            writer.add_tensor(name, array.astype(np.float16))
+
+
+def _unchanged(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    return dict(state)
+
+
+def _interleave_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Within each head, HF keeps the rotary halves apart; llama.cpp wants pairs adjacent."""
+    shape = weight.shape
+    return (
+        weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    )
+
+
+def _llama_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    out = {}
+    for name, array in state.items():
+        if re.search(r"\.q_proj\.(weight|bias)$", name):
+            array = _interleave_rope_rows(array, hp["num_attention_heads"])
+        elif re.search(r"\.k_proj\.(weight|bias)$", name):
+            array = _interleave_rope_rows(array, hp["num_key_value_heads"])
+        out[name] = array
+    return _stack_experts(out, mixtral=True)
+
+
+def _stack_experts(state: Tensors, mixtral: bool = False) -> Tensors:
+    out: Tensors = {}
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in state.items():
+        if match := _EXPERT.fullmatch(name):
+            layer, _, expert, which = match.groups()
+            merged = (
+                f"layers.{layer}.feed_forward.experts.{which}.weight"
+                if mixtral
+                else f"model.layers.{layer}.mlp.experts.{which}.weight"
+            )
+            groups.setdefault(merged, {})[int(expert)] = array
+        else:
+            out[name] = array
+    for merged, experts in groups.items():
+        out[merged] = np.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def _gemma_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    # llama.cpp scales by the stored norm weight, HF by 1 + weight.
+    return {
+        name: array + np.float32(1.0) if name.endswith("norm.weight") else array
+        for name, array in state.items()
+    }
+
+
+def _gemma2_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    # Gemma 2 is always tied; the converter drops a stray lm_head.
+    return _gemma_tensors({k: v for k, v in state.items() if k != "lm_head.weight"}, hp)
+
+
+def _moe_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    return _stack_experts(state)
+
+
+def _stablelm_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    out, norms = {}, {}
+    for name, array in state.items():
+        if match := _HEAD_NORM.fullmatch(name):
+            key = f"model.layers.{match[1]}.self_attn.{match[2]}.weight"
+            norms.setdefault(key, {})[int(match[3])] = array
+        else:
+            out[name] = array
+    out.update({k: np.stack([v[h] for h in range(len(v))]) for k, v in norms.items()})
+    return out
+
+
+def _deepseek_tensors(state: Tensors, hp: dict[str, Any], split_kv_b: bool = True) -> Tensors:
+    out = {}
+    heads, nope, v_dim = hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"]
+    for name, array in _stack_experts(state).items():
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            per_head = array.reshape(heads, nope + v_dim, array.shape[-1])
+            out[name.replace("kv_b_proj", "k_b_proj")] = per_head[:, :nope].transpose(0, 2, 1)
+            out[name.replace("kv_b_proj", "v_b_proj")] = per_head[:, nope:]
+        else:
+            out[name] = array
+    return out
+
+
+def _llama3_rope_freqs(hp: dict[str, Any]) -> Tensors:
+    full, _ = rope_parameters(hp)
+    if full.get("rope_type") != "llama3":
+        return {}
+    dim = head_dim_of(hp)
+    freqs = 1.0 / (full["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = full["factor"], full["low_freq_factor"], full["high_freq_factor"]
+    old = full["original_max_position_embeddings"]
+    factors = []
+    for wavelen in 2 * math.pi / freqs:
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": np.float32(factors)}
+
+
+def _phi3_rope_factors(hp: dict[str, Any]) -> Tensors:
+    full, _ = rope_parameters(hp)
+    if not full.get("long_factor"):
+        return {}
+    names = gguf.TENSOR_NAMES
+    return {
+        names[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": np.float32(full["long_factor"]),
+        names[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight": np.float32(full["short_factor"]),
+    }
+
+
+_A = gguf.MODEL_ARCH
+_ARCHS = {
+    "LlamaForCausalLM": _Arch(_A.LLAMA, llama_metadata, _llama_tensors, _llama3_rope_freqs),
+    "MixtralForCausalLM": _Arch(_A.LLAMA, llama_metadata, _llama_tensors),
+    "Qwen2ForCausalLM": _Arch(_A.QWEN2, text_metadata, _unchanged),
+    "Qwen3ForCausalLM": _Arch(_A.QWEN3, text_metadata, _unchanged),
+    "Qwen2MoeForCausalLM": _Arch(_A.QWEN2MOE, moe_metadata, _moe_tensors),
+    "Qwen3MoeForCausalLM": _Arch(_A.QWEN3MOE, moe_metadata, _moe_tensors),
+    "Phi3ForCausalLM": _Arch(_A.PHI3, phi3_metadata, _unchanged, _phi3_rope_factors),
+    "Gemma2ForCausalLM": _Arch(_A.GEMMA2, gemma2_metadata, _gemma2_tensors),
+    "Gemma3ForCausalLM": _Arch(_A.GEMMA3, gemma3_metadata, _gemma_tensors),
+    "StableLmForCausalLM": _Arch(_A.STABLELM, stablelm_metadata, _stablelm_tensors),
+    "Glm4ForCausalLM": _Arch(_A.GLM4, glm4_metadata, _unchanged),
+    "DeepseekV2ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
+    "DeepseekV3ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
+}
