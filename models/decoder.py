@@ -190,15 +190,24 @@ def load(
     moe_fields = ffn_shapes(cfg, dense=False)
     first_layer = dict.fromkeys(moe_fields, cfg.first_moe_layer)
     host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer)
-    weights: dict[str, Any] = {k: jnp.asarray(v) for k, v in host.items() if k in _GLOBAL_FIELDS}
     dense_fields = ffn_shapes(cfg, dense=True)
-    layer_fields = [k for k in host if k not in (*_GLOBAL_FIELDS, *dense_fields, *moe_fields)]
-    segments = []
-    for start, end, is_moe in cfg.segments:
-        seg = {k: jnp.asarray(host[k][start:end]) for k in layer_fields}
-        seg |= {k: jnp.asarray(host[k]) for k in (moe_fields if is_moe else dense_fields)}
-        segments.append(seg)
-    weights["segments"] = tuple(segments)
+    segment_fields = [
+        (moe_fields if is_moe else dense_fields).keys() for _, _, is_moe in cfg.segments
+    ]
+    weights: dict[str, Any] = {"segments": tuple({} for _ in cfg.segments)}
+    # Each host array is dropped once it is on the device, so host memory peaks near one copy.
+    for name in list(host):
+        array = host.pop(name)
+        if name in _GLOBAL_FIELDS:
+            weights[name] = jnp.asarray(array)
+            continue
+        for (start, end, _), seg, own in zip(
+            cfg.segments, weights["segments"], segment_fields, strict=True
+        ):
+            if name in own:
+                seg[name] = jnp.asarray(array)
+            elif name not in dense_fields and name not in moe_fields:
+                seg[name] = jnp.asarray(array[start:end])
     return weights
 
 

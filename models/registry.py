@@ -1,4 +1,4 @@
-"""Architectures by HF ``architectures`` name and by GGUF ``general.architecture``."""
+"""Architectures by HF ``architectures`` name (the GGUF loader translates GGUF names to these)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,6 @@ _SPECS = {
         ),
     )
 }
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -125,3 +124,16 @@ def get_model_spec(hf_architecture: str) -> ModelSpec:
         raise UnsupportedArchitectureError(
             f"architecture {hf_architecture!r} is not supported; supported: {', '.join(sorted(_SPECS))}"
         ) from None
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelSpec, Any]:
+    """The spec and model config for an HF ``config.json`` dict, or a ValueError naming what is
+    wrong (unsupported architecture, a missing or malformed key)."""
+    arch = (hf.get("architectures") or [None])[0]
+    spec = get_model_spec(arch)
+    try:
+        return spec, spec.config_from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{arch} config is missing the key {e.args[0]!r}") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{arch} config has a malformed value: {e}") from None

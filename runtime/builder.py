@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from models.registry import GGUF_ARCHITECTURES, get_model_spec
+from models.registry import model_config_from_hf
 from pallas_kernels.paged_attention import KVCache
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
@@ -41,20 +41,26 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def load_checkpoint(files: ModelFiles) -> tuple[Checkpoint, Tokenizer]:
+def load_checkpoint(files: ModelFiles) -> Checkpoint:
     if files.kind == "gguf":
-        return load_gguf_checkpoint(files.path), Tokenizer.from_gguf(files.path)
-    return load_hf_checkpoint(files.path), Tokenizer.from_pretrained_dir(files.path)
+        return load_gguf_checkpoint(files.path)
+    return load_hf_checkpoint(files.path)
+
+
+def load_tokenizer(files: ModelFiles) -> Tokenizer:
+    if files.kind == "gguf":
+        return Tokenizer.from_gguf(files.path)
+    return Tokenizer.from_pretrained_dir(files.path)
 
 
 def build_engine(config: EngineConfig) -> Engine:
     """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
     enable_compilation_cache(cache_root() / "xla")
     files = resolve_model_source(config.model_id, config.weight_file)
-    checkpoint, tokenizer = load_checkpoint(files)
-    arch = (checkpoint.config.get("architectures") or [None])[0]
-    spec = get_model_spec(GGUF_ARCHITECTURES.get(arch, arch))
-    model_config = spec.config_from_hf(checkpoint.config)
+    checkpoint = load_checkpoint(files)
+    # The architecture is checked before the (slow) tokenizer and weights are read.
+    spec, model_config = model_config_from_hf(checkpoint.config)
+    tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
 

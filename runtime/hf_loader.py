@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from runtime.gguf_loader import Checkpoint
 
@@ -39,8 +39,11 @@ def load_hf_checkpoint(folder: Path) -> Checkpoint:
 
     num_tensors = 0
     for path in files:
-        with safe_open(str(path), framework="flax") as f:
-            num_tensors += len(list(f.keys()))
+        try:
+            with safe_open(str(path), framework="flax") as f:
+                num_tensors += len(list(f.keys()))
+        except SafetensorError as e:
+            raise HFCheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     return Checkpoint(config=config, tensors=tensors, num_tensors=num_tensors)
 
 
