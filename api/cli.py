@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 PROG = "runtime-serve"
 GRACEFUL_SHUTDOWN_S = 5
+STARTED = time.monotonic()  # module import: close enough to process start
 logger = logging.getLogger(__name__)
 
 
@@ -215,7 +217,11 @@ def _serve(engine: EngineClient, host: str, port: int, server: ServerConfig) -> 
             await super().startup(sockets=sockets)
             if self.started:
                 bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
-                line = f"Serving {engine.model_name} on http://{bound_host}:{bound_port}/v1"
+                ready = time.monotonic() - STARTED
+                line = (
+                    f"Serving {engine.model_name} on http://{bound_host}:{bound_port}/v1 "
+                    f"(ready in {ready:.1f}s)"
+                )
                 logger.info(line)
                 print(line, flush=True)
 

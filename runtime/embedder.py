@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from models.registry import ModelSpec
 from runtime.buckets import pick
+from runtime.compiled_shapes import CompiledShapes
 from runtime.request import MAX_TOP_LOGPROBS, TokenLogprobs
 
 Pooling = Literal["mean", "last"]
@@ -38,31 +37,30 @@ class EmbeddingRunner:
         self.weights = weights
         self.lengths = embedding_lengths(max_model_len)
         self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config))
-        self._compiled: dict[int, Any] = {}
         self._score = None
-        self._compiled_score: dict[int, Any] = {}
         if spec.lm_head is not None:
             self._score = jax.jit(
                 functools.partial(_score, spec.hidden_states, spec.lm_head, config)
             )
+        self.compiled = CompiledShapes("cache-free forward", self._lower)
 
-    def warmup(self) -> float:
-        """Compile every length bucket from abstract shapes; returns the seconds taken."""
-        t0 = time.perf_counter()
+    def keys(self) -> list[tuple[str, int]]:
+        """Every (function, length bucket) compiled: pooling, and prompt scoring when available."""
+        kinds = ("pool", "score") if self._score is not None else ("pool",)
+        return [(kind, length) for length in self.lengths for kind in kinds]
+
+    def _lower(self, key: tuple[str, int]) -> Any:
+        kind, length = key
         weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.weights)
-        for length in tqdm(self.lengths, desc="Compiling embeddings", unit="shape"):
-            tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-            n = jax.ShapeDtypeStruct((1,), jnp.int32)
-            self._compiled[length] = self._pool.lower(weights, tokens, n).compile()
-            if self._score is not None:
-                self._compiled_score[length] = self._score.lower(weights, tokens, n).compile()
-        return time.perf_counter() - t0
+        tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+        n = jax.ShapeDtypeStruct((1,), jnp.int32)
+        return (self._pool if kind == "pool" else self._score).lower(weights, tokens, n)
 
     def embed(self, token_ids: list[int], pooling: Pooling) -> np.ndarray:  # [hidden] float32
         """The pooled, unnormalised embedding of one input (``1 <= len <= max_model_len``)."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        mean, last = self._call(self._compiled, token_ids)
+        mean, last = self._call("pool", token_ids)
         return np.asarray(mean if pooling == "mean" else last)[0]
 
     def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
@@ -70,9 +68,7 @@ class EmbeddingRunner:
         context), with the ``top`` most likely alternatives; values are the plain log-softmax."""
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        chosen, top_ids, top_values = (
-            np.asarray(a)[0] for a in self._call(self._compiled_score, token_ids)
-        )
+        chosen, top_ids, top_values = (np.asarray(a)[0] for a in self._call("score", token_ids))
         out: list[TokenLogprobs | None] = [None]
         for i in range(1, len(token_ids)):  # row i - 1 predicts token i
             alternatives = tuple(
@@ -82,12 +78,10 @@ class EmbeddingRunner:
             out.append(TokenLogprobs(token_ids[i], float(chosen[i - 1]), alternatives))
         return out
 
-    def _call(self, compiled: dict[int, Any], token_ids: list[int]) -> Any:
-        """Run a precompiled function on ``token_ids`` padded to their length bucket."""
+    def _call(self, kind: str, token_ids: list[int]) -> Any:
+        """Run the precompiled ``kind`` function on ``token_ids`` padded to their length bucket."""
         length = pick(self.lengths, len(token_ids))
-        fn = compiled.get(length)
-        if fn is None:
-            raise RuntimeError(f"length bucket {length} was not compiled at warmup")
+        fn = self.compiled.get((kind, length))
         tokens = np.zeros((1, length), np.int32)
         tokens[0, : len(token_ids)] = token_ids
         return fn(self.weights, tokens, np.array([len(token_ids)], np.int32))

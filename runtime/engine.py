@@ -16,12 +16,14 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from runtime.compiled_shapes import CompiledShapes
 from runtime.embedder import EmbeddingRunner, ForwardJob, Pooling
 from runtime.model_runner import ModelRunner
 from runtime.request import (
@@ -73,6 +75,8 @@ class Engine:
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
+        self._compiler: threading.Thread | None = None
+        self.compile_done = threading.Event()  # set once every bucket is compiled
         self._arrivals = 0
         # Per-request sampling seeds: reproducible for a given --seed and request order.
         self._seeds = random.Random(seed)
@@ -80,20 +84,49 @@ class Engine:
         self.num_steps = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, compile_all: bool = False) -> None:
+        """Compile what the first requests need, start the loop thread, and compile every other
+        bucket on a background thread (before returning when ``compile_all``)."""
         if self._thread is not None:
             return
-        seconds = self.runner.warmup()
-        logger.info("compiled %d step shapes in %.1fs", len(self.runner.plan.shapes()), seconds)
+        first, rest = self.runner.startup_shapes()
+        if compile_all:
+            first, rest = first + rest, []
+        seconds = self.runner.compiled.compile_now(first)
+        logger.info(
+            "compiled %d step shapes in %.1fs (%d more compile in the background)",
+            len(first),
+            seconds,
+            len(rest),
+        )
+        background = [(self.runner.compiled, rest)]
         if self.embedder is not None:
-            seconds = self.embedder.warmup()
-            logger.info(
-                "compiled %d cache-free forward buckets (embeddings, prompt scoring) in %.1fs",
-                len(self.embedder.lengths),
-                seconds,
-            )
+            if compile_all:
+                seconds = self.embedder.compiled.compile_now(self.embedder.keys())
+                logger.info(
+                    "compiled %d cache-free forward shapes in %.1fs",
+                    len(self.embedder.keys()),
+                    seconds,
+                )
+            else:
+                background.append((self.embedder.compiled, self.embedder.keys()))
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+        self._compiler = threading.Thread(
+            target=self._compile_background, args=(background,), name="compile", daemon=True
+        )
+        self._compiler.start()
+
+    def _compile_background(self, work: list[tuple[CompiledShapes, list]]) -> None:
+        t0 = time.perf_counter()
+        count = sum(compiled.compile_each(keys, self._stop) for compiled, keys in work)
+        if not self._stop.is_set():
+            logger.info(
+                "compiled the other %d shapes in the background in %.1fs",
+                count,
+                time.perf_counter() - t0,
+            )
+        self.compile_done.set()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -101,6 +134,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._compiler is not None:
+            self._compiler.join(timeout=120)
+            self._compiler = None
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None

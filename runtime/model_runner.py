@@ -1,26 +1,25 @@
 """Turns a scheduled batch into one call of the jitted step, padded to a compiled bucket.
 
 The step (model forward + on-device sampling) is one ``jax.jit`` function; the KV cache is donated
-to it and comes back updated in place. Every bucket shape is compiled in ``warmup`` so serving
-never compiles.
+to it and comes back updated in place. Every bucket shape is compiled ahead of time: short-context
+buckets in ``warmup``, the rest on a background thread right after (see ``CompiledShapes``).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from models.batch import StepBatch
 from models.registry import ModelSpec
 from pallas_kernels.paged_attention import KVCache
 from runtime.buckets import BucketPlan, pick
+from runtime.compiled_shapes import CompiledShapes
 from runtime.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
 from runtime.sampler import (
     BIAS_SLOTS,
@@ -70,21 +69,24 @@ class ModelRunner:
         self.cache = cache
         self.plan = plan
         self._step = jax.jit(functools.partial(_step, spec.forward, config), donate_argnums=(1,))
-        self._compiled: dict[tuple[int, int, int], Any] = {}
+        self.compiled = CompiledShapes("step shapes", self._lower)
 
-    def warmup(self) -> float:
-        """Compile every bucket ahead of time (progress bar on stderr); returns the seconds taken.
+    def startup_shapes(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """(compile before serving, compile in the background): the buckets of the shortest
+        contexts first, since every new request starts there; the rest from short to long.
 
         Shapes are lowered from abstract values, so nothing runs: a bucket of 8192 prompt tokens
         costs its compile time only.
         """
-        t0 = time.perf_counter()
+        shapes = self.plan.shapes()
+        first = [s for s in shapes if s[2] == self.plan.pages[0]]
+        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[2], s[1], s[0]))
+        return first, rest
+
+    def _lower(self, shape: tuple[int, int, int]) -> Any:
         abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
-        weights, cache = abstract(self.weights), abstract(self.cache)
-        for shape in tqdm(self.plan.shapes(), desc="Compiling", unit="shape"):
-            batch, meta = abstract(_empty_inputs(*shape))
-            self._compiled[shape] = self._step.lower(weights, cache, batch, meta).compile()
-        return time.perf_counter() - t0
+        batch, meta = abstract(_empty_inputs(*shape))
+        return self._step.lower(abstract(self.weights), abstract(self.cache), batch, meta)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """Run one step; return the sampled token of every scheduled sequence, in order.
@@ -93,9 +95,7 @@ class ModelRunner:
         """
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
-        step = self._compiled.get(shape)
-        if step is None:
-            raise RuntimeError(f"step shape {shape} was not compiled at warmup")
+        step = self.compiled.get(shape)
         out, self.cache = step(self.weights, self.cache, step_batch, meta)
         result = StepResult(np.asarray(out.token_ids)[: len(batch.items)].tolist())
         if np.any(meta.wants_logprobs):
