@@ -1,4 +1,4 @@
-"""tools/bench.py against a tiny fake OpenAI streaming server (no model, well under 5 s)."""
+"""tools/bench.py against a tiny fake OpenAI streaming server (no model, a few seconds)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BENCH_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
-CONTENT_CHUNKS = 5  # one token per chunk
+CONTENT_CHUNKS = 5  # one token per chunk; the fake "EOS" comes after this many
 TIMINGS_TOKENS = 7  # differs from CONTENT_CHUNKS so the test sees which count was used
 
 
@@ -37,13 +37,21 @@ class FakeServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.token_report = token_report  # "usage" | "timings" | "none"
         self.bodies: list[dict] = []
+        self.paths: list[str] = []
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/v1"
 
 
+def _prompt_text(body: dict) -> str:
+    return body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+
+
 class FakeHandler(BaseHTTPRequestHandler):
+    """Streams one token per chunk; its tokenizer is whitespace words, its EOS comes after
+    CONTENT_CHUNKS tokens unless the request sets ignore_eos."""
+
     server: FakeServer
 
     def log_message(self, *args) -> None:
@@ -60,20 +68,28 @@ class FakeHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
+        self.server.paths.append(self.path)
+        chat = self.path.endswith("/chat/completions")
+        n_out = body["max_tokens"] if body.get("ignore_eos") else CONTENT_CHUNKS
+        n_out = min(n_out, body["max_tokens"])
+        n_in = len(_prompt_text(body).split())
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        self._event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-        for i in range(CONTENT_CHUNKS):
+        if chat:
+            self._event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        for i in range(n_out):
             time.sleep(0.002)
-            self._event({"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]})
+            piece = {"delta": {"content": f"tok{i} "}} if chat else {"text": f"tok{i} "}
+            self._event({"choices": [{"index": 0, **piece}]})
         final: dict = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         if self.server.token_report == "timings":
-            final["timings"] = {"predicted_n": TIMINGS_TOKENS, "prompt_n": 3}
+            predicted = n_out if body.get("ignore_eos") else TIMINGS_TOKENS
+            final["timings"] = {"predicted_n": predicted, "prompt_n": n_in - 1, "cache_n": 1}
         self._event(final)
         if self.server.token_report == "usage":
-            usage = {"prompt_tokens": 3, "completion_tokens": CONTENT_CHUNKS, "total_tokens": 8}
-            self._event({"choices": [], "usage": usage})
+            usage = {"prompt_tokens": n_in, "completion_tokens": n_out}
+            self._event({"choices": [], "usage": {**usage, "total_tokens": n_in + n_out}})
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, chunk: dict) -> None:
@@ -113,9 +129,19 @@ def _check_level(level: dict, concurrency: int, requests: int, tokens_each: int)
     assert level["wall_s"] > 0
     assert level["output_tok_per_s"] > 0
     assert level["output_tok_per_s"] == pytest.approx(level["output_tokens"] / level["wall_s"])
-    assert 0 < level["ttft_p50_s"] <= level["ttft_p90_s"]
+    assert level["request_per_s"] == pytest.approx(requests / level["wall_s"])
+    assert 0 < level["ttft_p50_s"] <= level["ttft_p90_s"] <= level["ttft_p99_s"]
     assert 0 < level["ttft_mean_s"] < level["e2e_mean_s"]
     assert level["tpot_mean_s"] > 0
+    assert 0 < level["tpot_p50_s"] <= level["tpot_p90_s"]
+    assert 0 < level["itl_p50_s"] <= level["itl_p90_s"] <= level["itl_p99_s"]
+    assert level["itl_mean_s"] > 0
+    assert 0 < level["e2e_p50_s"] <= level["e2e_p90_s"]
+
+
+def _prompt_bodies(server: FakeServer) -> list[str]:
+    """Measured prompts without their leading run tag."""
+    return [_prompt_text(b).split("] ", 1)[1] for b in server.bodies[1:]]
 
 
 def test_usage_and_peer_with_timings(usage_server, timings_server, tmp_path, capsys):
@@ -125,6 +151,7 @@ def test_usage_and_peer_with_timings(usage_server, timings_server, tmp_path, cap
     assert bench.main([*argv, "--json", str(out)]) == 0
 
     report = json.loads(out.read_text())
+    assert report["config"]["max_tokens"] == report["config"]["output_len"] == 16
     ours, peer = report["servers"]
     assert (ours["name"], ours["model"], peer["name"]) == ("ours", "fake-model", "peer")
     for i, conc in enumerate((1, 2)):
@@ -135,22 +162,34 @@ def test_usage_and_peer_with_timings(usage_server, timings_server, tmp_path, cap
         ratio = report["ratios_ours_over_peer"][i]
         expected = ours["levels"][i]["output_tok_per_s"] / peer["levels"][i]["output_tok_per_s"]
         assert ratio["output_tok_per_s"] == pytest.approx(expected)
+        expected = ours["levels"][i]["itl_p50_s"] / peer["levels"][i]["itl_p50_s"]
+        assert ratio["itl_p50_s"] == pytest.approx(expected)
+        # Same fixed prompts on both servers; usage and prompt_n + cache_n agree on their length.
+        in_ours, in_peer = (
+            ours["levels"][i]["input_tokens_mean"],
+            peer["levels"][i]["input_tokens_mean"],
+        )
+        assert in_ours == pytest.approx(in_peer)
+        assert 10 < in_ours < 25
 
     # 1 warm-up + 4 + 4 measured requests per server, all as the benchmark promises.
     assert len(usage_server.bodies) == len(timings_server.bodies) == 9
+    assert set(usage_server.paths) == {"/v1/chat/completions"}
     measured = usage_server.bodies[1:]
     assert all(b["stream"] and b["temperature"] == 0 and b["max_tokens"] == 16 for b in measured)
     assert all(b["stream_options"] == {"include_usage": True} for b in measured)
-    assert not any("ignore_eos" in b for b in usage_server.bodies)
-    prompts = [b["messages"][-1]["content"] for b in usage_server.bodies + timings_server.bodies]
+    assert not any("ignore_eos" in b or "min_tokens" in b for b in usage_server.bodies)
+    prompts = [_prompt_text(b) for b in usage_server.bodies + timings_server.bodies]
     assert len(set(prompts)) == len(prompts), "every request must miss the prefix cache"
 
     printed = capsys.readouterr().out
-    assert sum(line.startswith("ours/peer ") for line in printed.splitlines()) == 2
+    # Two tables, each with a ratio row per level.
+    assert sum(line.startswith("ours/peer ") for line in printed.splitlines()) == 4
     first = ours["levels"][0]
     row = next(line for line in printed.splitlines() if line.startswith("ours "))
     assert row.split()[1:5] == ["1", "4", "0", str(first["output_tokens"])]
     assert f"{first['output_tok_per_s']:.2f}" in row
+    assert "below --output-len 16 (pass --exact-output" in printed
 
 
 def test_counts_chunks_without_usage(plain_server, tmp_path, capsys):
@@ -163,10 +202,158 @@ def test_counts_chunks_without_usage(plain_server, tmp_path, capsys):
     assert server["model"] == "given-model"
     _check_level(server["levels"][0], 2, 3, CONTENT_CHUNKS)
     assert server["levels"][0]["token_sources"] == ["chunks"]
+    assert server["levels"][0]["input_tokens_mean"] is None
     assert "counted as content chunks" in capsys.readouterr().out
+
+
+def test_completions_random_prompts_exact_output(usage_server, timings_server, tmp_path, capsys):
+    out = tmp_path / "completions.json"
+    argv = ["--base-url", usage_server.base_url, "--peer-url", timings_server.base_url]
+    argv += ["--endpoint", "completions", "--prompts", "random", "--input-len", "64"]
+    argv += ["--output-len", "3", "--exact-output", "--concurrency", "2", "--num-requests", "4"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+
+    report = json.loads(out.read_text())
+    assert report["config"]["endpoint"] == "completions"
+    assert report["config"]["prompt_kind"] == "random"
+    assert report["config"]["exact_output"] is True
+    for server, level in zip((usage_server, timings_server), report["servers"], strict=True):
+        _check_level(level["levels"][0], 2, 4, 3)
+        assert set(server.paths) == {"/v1/completions"}
+        assert all("messages" not in b for b in server.bodies)
+        assert all(b["ignore_eos"] and b["min_tokens"] == b["max_tokens"] for b in server.bodies)
+        # The fake tokenizer counts the tag as one word.
+        assert level["levels"][0]["input_tokens_mean"] == 64 - bench.TAG_TOKENS + 1
+    assert sorted(_prompt_bodies(usage_server)) == sorted(_prompt_bodies(timings_server))
+    assert "below --output-len" not in capsys.readouterr().out
+
+
+def test_random_prompts_are_seeded_and_about_the_requested_length():
+    def workload(seed: int, input_len: int) -> object:
+        return bench.Workload("chat", "random", input_len, 8, exact_output=False, seed=seed)
+
+    a = workload(0, 512).prompt("1a2b3c4d-c1", 3)
+    assert a == workload(0, 512).prompt("1a2b3c4d-c1", 3)
+    assert a != workload(1, 512).prompt("1a2b3c4d-c1", 3)
+    assert a != workload(0, 512).prompt("1a2b3c4d-c1", 4)
+    head, words = a.split("] ", 1)
+    assert head == "[1a2b3c4d-c1-3"
+    assert set(words.split()) <= set(bench.COMMON_WORDS)
+    # The tag is counted as TAG_TOKENS tokens, the words as one token each.
+    assert len(words.split()) == 512 - bench.TAG_TOKENS
+    # Same body after a different tag, so every server of a run sees the same text.
+    assert workload(0, 512).prompt("ffffffff-c16", 3).split("] ", 1)[1] == words
+
+
+def test_fixed_prompts_are_cut_or_repeated_to_the_requested_length():
+    def fixed(input_len: int | None) -> str:
+        return bench.Workload("chat", "fixed", input_len, 8, exact_output=False, seed=0).prompt(
+            "tag", 0
+        )
+
+    assert fixed(None) == f"[tag-0] {bench.PROMPTS[0]}"
+    for n in (20, 200):
+        words = fixed(n).split("] ", 1)[1].split()
+        approx = sum(bench.approx_tokens(w) for w in words)
+        assert max(1, n - bench.TAG_TOKENS) <= approx <= max(1, n - bench.TAG_TOKENS) + 2
+        assert " ".join(words[:3]) == " ".join(bench.PROMPTS[0].split()[:3])
+
+
+def test_summarize_from_known_chunk_timings():
+    R = bench.RequestResult
+    results = [
+        R(chunk_times_s=[0.1, 0.2, 0.3, 0.5], e2e_s=0.5, output_tokens=4, input_tokens=10),
+        R(chunk_times_s=[0.2, 0.25, 0.3], e2e_s=0.4, output_tokens=3, input_tokens=20),
+        R(chunk_times_s=[0.05], e2e_s=9.0, output_tokens=1, error="HTTP 500: boom"),
+    ]
+    lv = bench.summarize(2, results, wall_s=2.0)
+    assert (lv.requests, lv.failed, lv.output_tokens) == (3, 1, 7)
+    assert lv.first_error == "HTTP 500: boom"
+    assert lv.output_tok_per_s == pytest.approx(3.5)
+    assert lv.request_per_s == pytest.approx(1.0)
+    assert lv.input_tokens_mean == pytest.approx(15.0)
+    # TTFT over [0.1, 0.2]; the failed request's 0.05 is left out.
+    assert (lv.ttft_mean_s, lv.ttft_p50_s) == pytest.approx((0.15, 0.15))
+    assert (lv.ttft_p90_s, lv.ttft_p99_s) == pytest.approx((0.19, 0.199))
+    # TPOT per request: (0.5 - 0.1) / 3 and (0.4 - 0.2) / 2.
+    assert lv.tpot_mean_s == pytest.approx((0.4 / 3 + 0.1) / 2)
+    assert lv.tpot_p50_s == pytest.approx((0.4 / 3 + 0.1) / 2)
+    assert lv.tpot_p90_s == pytest.approx(0.1 + 0.9 * (0.4 / 3 - 0.1))
+    # ITL pooled over both requests: [0.1, 0.1, 0.2] + [0.05, 0.05].
+    assert (lv.itl_mean_s, lv.itl_p50_s) == pytest.approx((0.1, 0.1))
+    assert (lv.itl_p90_s, lv.itl_p99_s) == pytest.approx((0.16, 0.196))
+    assert (lv.e2e_mean_s, lv.e2e_p50_s, lv.e2e_p90_s) == pytest.approx((0.45, 0.45, 0.49))
+
+
+def test_summarize_single_token_requests_have_ttft_only():
+    results = [bench.RequestResult(chunk_times_s=[t], e2e_s=t, output_tokens=1) for t in (1, 2)]
+    lv = bench.summarize(1, results, wall_s=3.0)
+    assert lv.ttft_p50_s == pytest.approx(1.5)
+    assert lv.tpot_mean_s is None and lv.itl_p50_s is None and lv.input_tokens_mean is None
+
+
+def test_plot_writes_png(usage_server, timings_server, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plots" / "run.png"
+    argv = ["--base-url", usage_server.base_url, "--peer-url", timings_server.base_url]
+    argv += ["--concurrency", "1,2", "--num-requests", "2", "--output-len", "4"]
+    assert bench.main([*argv, "--plot", str(png)]) == 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
 
 
 def test_percentile_matches_linear_interpolation():
     assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     assert bench.percentile([7.0], 90) == 7.0
+
+
+def test_lone_prompt_ttft_recipe(usage_server, tmp_path):
+    """--concurrency 1 --input-len 512 --output-len 1 --num-requests 5 measures TTFT alone."""
+    out = tmp_path / "ttft.json"
+    argv = ["--base-url", usage_server.base_url, "--concurrency", "1", "--input-len", "512"]
+    argv += ["--output-len", "1", "--num-requests", "5", "--json", str(out)]
+    assert bench.main(argv) == 0
+    (level,) = json.loads(out.read_text())["servers"][0]["levels"]
+    assert (level["requests"], level["failed"], level["output_tokens"]) == (5, 0, 5)
+    assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"]
+    assert level["tpot_mean_s"] is None and level["itl_p50_s"] is None
+    # The fake tokenizer counts whitespace words, not punctuation, so it sees fewer than 512.
+    assert 400 <= level["input_tokens_mean"] <= 512
+    assert all(b["max_tokens"] == 1 for b in usage_server.bodies)
+    assert bench.parse_args(["--max-tokens", "7"]).output_len == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompts", "random"], "--prompts random needs --input-len"),
+        (["--input-len", "0"], "--input-len must be positive"),
+        (["--output-len", "0"], "--output-len (--max-tokens) must be positive"),
+        (["--max-tokens", "-1"], "--output-len (--max-tokens) must be positive"),
+        (["--concurrency", "1,x"], "expected integers like 1,4,16"),
+        (["--concurrency", "0,4"], "--concurrency needs positive integers"),
+        (["--endpoint", "embeddings"], "invalid choice"),
+        (["--plot", "run.svg"], "give a path ending in .png"),
+        (["--timeout", "0"], "--timeout must be positive"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err_lines) == 1 and message in err_lines[0]
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plot", "run.png"])
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err_lines) == 1 and "pip install matplotlib" in err_lines[0]
