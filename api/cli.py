@@ -124,6 +124,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="most prompt tokens one step prefills for one sequence (default: %(default)s)",
     )
     add(
+        "--decode-steps",
+        type=_int_at_least(0),
+        default=0,
+        help="tokens generated per decode call when no request waits (multi-step decode); "
+        "0 = 1 on CPU, 8 on accelerators (default: %(default)s)",
+    )
+    add(
         "--seed",
         type=int,
         default=0,
@@ -180,6 +187,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         kvcache_mem_mb=args.kvcache_mem_mb,
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
+        decode_steps=args.decode_steps,
         seed=args.seed,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )

@@ -86,6 +86,7 @@ def build_engine(config: EngineConfig) -> Engine:
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
+    decode_steps = config.decode_steps or (1 if jax.default_backend() == "cpu" else 8)
     runner = ModelRunner(
         spec,
         model_config,
@@ -93,6 +94,7 @@ def build_engine(config: EngineConfig) -> Engine:
         KVCache.zeros(k_shape, dtype, v_shape),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
+        decode_steps=decode_steps,
     )
     scheduler = Scheduler(
         PageAllocator(num_pages, config.page_size),
@@ -100,6 +102,7 @@ def build_engine(config: EngineConfig) -> Engine:
         max_model_len=max_model_len,
         prefill_chunk_size=config.prefill_chunk_size,
         eos_token_ids=tokenizer.eos_token_ids,
+        decode_steps=decode_steps,
     )
     name = config.served_model_name or files.name
     embedder = None

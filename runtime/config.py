@@ -14,7 +14,10 @@ class EngineConfig:
 
     kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
     model's context length, capped by what the cache can hold. prefill_chunk_size is the most
-    prompt tokens one step processes for one sequence (chunked prefill).
+    prompt tokens one step processes for one sequence (chunked prefill). decode_steps is how many
+    tokens a decode call generates per sequence when no other work waits (multi-step decode: one
+    dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
+    compute-bound, and 8 on accelerators, where dispatch dominates small models.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -26,6 +29,7 @@ class EngineConfig:
     page_size: int = 16
     prefill_chunk_size: int = 8192
     seed: int = 0
+    decode_steps: int = 0
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -41,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"kvcache_mem_mb must be >= 1, got {self.kvcache_mem_mb}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if not 0 <= self.decode_steps <= 64:
+            raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         if self.prefill_chunk_size < self.page_size:
             raise ValueError(
                 f"prefill_chunk_size must be >= page_size ({self.page_size}), "

@@ -286,11 +286,11 @@ class Engine:
         if batch is None:
             return
         result = self.runner.run(batch)
+        before = {id(item.seq): len(item.seq.output_ids) for item in batch.items}
         for seq in self.scheduler.update(batch, result.token_ids):
             logprobs = result.logprobs_for(seq.request_id)
-            self._send(
-                seq.request_id, StepOutput([seq.output_ids[-1]], seq.finish_reason, logprobs)
-            )
+            new_tokens = seq.output_ids[before[id(seq)] :]
+            self._send(seq.request_id, StepOutput(new_tokens, seq.finish_reason, logprobs))
         self.num_steps += 1
 
     def _drain_inbox(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.batch import StepBatch
@@ -37,9 +38,10 @@ MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
 
 @dataclass
 class StepResult:
-    """One step's sampled token per scheduled sequence, in order, and the requested logprobs."""
+    """The tokens sampled for each scheduled sequence, in order (one per step run), and the
+    requested logprobs (single-step calls only)."""
 
-    token_ids: list[int]
+    token_ids: list[list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by request id
 
     def logprobs_for(self, request_id: str) -> list[TokenLogprobs]:
@@ -59,6 +61,7 @@ class ModelRunner:
         cache: KVCache,
         plan: BucketPlan,
         eos_token_ids: Iterable[int] = (),
+        decode_steps: int = 1,
     ) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -68,36 +71,54 @@ class ModelRunner:
         self.weights = weights
         self.cache = cache
         self.plan = plan
+        self.decode_steps = decode_steps
         self._step = jax.jit(functools.partial(_step, spec.forward, config), donate_argnums=(1,))
+        self._multi_step = jax.jit(
+            functools.partial(_multi_step, spec.forward, config),
+            static_argnums=(0,),
+            donate_argnums=(2,),
+        )
         self.compiled = CompiledShapes("step shapes", self._lower)
 
-    def startup_shapes(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """(compile before serving, compile in the background): the buckets of the shortest
-        contexts first, since every new request starts there; the rest from short to long.
+    def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
+        steps) keys: the single-step buckets of the shortest contexts first, since every new
+        request starts there; then the rest from short to long, multi-step decode last.
 
         Shapes are lowered from abstract values, so nothing runs: a bucket of 8192 prompt tokens
         costs its compile time only.
         """
-        shapes = self.plan.shapes()
-        first = [s for s in shapes if s[2] == self.plan.pages[0]]
-        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[2], s[1], s[0]))
+        shapes = [(*s, 1) for s in self.plan.shapes()]
+        if self.decode_steps > 1:
+            shapes += [(*s, self.decode_steps) for s in self.plan.shapes() if s[1] == 1]
+        first = [s for s in shapes if s[2] == self.plan.pages[0] and s[3] == 1]
+        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[1], s[0]))
         return first, rest
 
-    def _lower(self, shape: tuple[int, int, int]) -> Any:
+    def _lower(self, key: tuple[int, int, int, int]) -> Any:
         abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
-        batch, meta = abstract(_empty_inputs(*shape))
-        return self._step.lower(abstract(self.weights), abstract(self.cache), batch, meta)
+        batch, meta = abstract(_empty_inputs(*key[:3]))
+        weights, cache = abstract(self.weights), abstract(self.cache)
+        if key[3] == 1:
+            return self._step.lower(weights, cache, batch, meta)
+        return self._multi_step.lower(key[3], weights, cache, batch, meta)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """Run one step; return the sampled token of every scheduled sequence, in order.
+        """Run one call; return the tokens sampled for every scheduled sequence, in order.
 
-        Logprobs are copied to the host only when a sequence that samples in this step asked.
+        A multi-step batch runs ``batch.num_steps`` steps in one call once that bucket is
+        compiled, else one step (the scheduler takes however many tokens come back). Logprobs
+        are copied to the host only when a sequence that samples in this step asked.
         """
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
-        step = self.compiled.get(shape)
+        if batch.num_steps > 1 and (*shape, batch.num_steps) in self.compiled:
+            step = self.compiled.get((*shape, batch.num_steps))
+            tokens, self.cache = step(self.weights, self.cache, step_batch, meta)
+            return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
+        step = self.compiled.get((*shape, 1))
         out, self.cache = step(self.weights, self.cache, step_batch, meta)
-        result = StepResult(np.asarray(out.token_ids)[: len(batch.items)].tolist())
+        result = StepResult([[t] for t in np.asarray(out.token_ids)[: len(batch.items)].tolist()])
         if np.any(meta.wants_logprobs):
             result.logprobs = _host_logprobs(batch.items, out)
         return result
@@ -109,7 +130,9 @@ class ModelRunner:
             num_seqs, q_len = pick(self.plan.decode_seqs, len(items)), 1
         else:
             num_seqs, q_len = 1, pick(self.plan.prefill_lens, items[0].length)
-        pages = pick(self.plan.pages, max(-(-(i.start + i.length) // ps) for i in items))
+        # A multi-step call writes num_steps - 1 positions past each sequence's current end.
+        reach = batch.num_steps - 1
+        pages = pick(self.plan.pages, max(-(-(i.start + i.length + reach) // ps) for i in items))
         tokens = np.zeros((num_seqs, q_len), np.int32)
         positions = np.zeros((num_seqs, q_len), np.int32)
         q_lens = np.zeros(num_seqs, np.int32)
@@ -136,6 +159,34 @@ def _step(
 ) -> tuple[jax.Array, KVCache]:
     logits, cache = forward(config, weights, cache, batch)
     return sample(logits, meta), cache
+
+
+def _multi_step(
+    forward: Any,
+    config: Any,
+    num_steps: int,
+    weights: Any,
+    cache: KVCache,
+    batch: StepBatch,
+    meta: SamplingMetadata,
+) -> tuple[jax.Array, KVCache]:  # tokens [num_seqs, num_steps] int32
+    """``num_steps`` decode steps in one call, each feeding its sampled tokens to the next."""
+
+    def one(carry: tuple[KVCache, StepBatch, SamplingMetadata], _: None):
+        cache, batch, meta = carry
+        logits, cache = forward(config, weights, cache, batch)
+        tokens = sample(logits, meta).token_ids.astype(jnp.int32)  # [num_seqs]
+        active = batch.q_lens > 0  # padding rows stay empty and write nothing
+        batch = batch.replace(
+            tokens=tokens[:, None],
+            positions=batch.positions + 1,
+            kv_lens=jnp.where(active, batch.kv_lens + 1, 0),
+        )
+        meta = meta.replace(output_index=meta.output_index + 1)
+        return (cache, batch, meta), tokens
+
+    (cache, _, _), tokens = jax.lax.scan(one, (cache, batch, meta), None, length=num_steps)
+    return tokens.T, cache
 
 
 def _sampling_metadata(

@@ -40,8 +40,12 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
+    """One call's work. A decode batch with ``num_steps > 1`` generates that many tokens per
+    sequence, each fed back on device; pages for all of them are already reserved."""
+
     kind: StepKind
     items: tuple[ScheduledSeq, ...]
+    num_steps: int = 1
 
 
 class Scheduler:
@@ -54,12 +58,14 @@ class Scheduler:
         max_model_len: int,
         prefill_chunk_size: int,
         eos_token_ids: Iterable[int],
+        decode_steps: int = 1,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.prefill_chunk_size = prefill_chunk_size
+        self.decode_steps = decode_steps
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -98,16 +104,36 @@ class Scheduler:
             return ScheduledBatch(StepKind.PREFILL, (prefill,))
         if not decodes:
             return None
-        decodes = self._reserve_decode_pages(decodes)
+        steps = self._decode_steps(decodes, prefill is not None)
+        decodes = self._reserve_decode_pages(decodes, steps)
         self._last_kind = StepKind.DECODE
         return ScheduledBatch(
-            StepKind.DECODE, tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
+            StepKind.DECODE, tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes), steps
         )
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Apply one step's sampled tokens; return the sequences that gained a token or finished."""
+    def _decode_steps(self, decodes: list[Sequence], prefill_waits: bool) -> int:
+        """``decode_steps`` when nothing else waits, every sequence has room for that many more
+        positions, none needs per-token host work (logprobs, penalties, min_tokens still
+        pending) and the pages for all of them are free without preempting; else 1."""
+        k = self.decode_steps
+        if k == 1 or prefill_waits or self.waiting:
+            return 1
+        needed = 0
+        for seq in decodes:
+            sp = seq.sampling
+            if sp.logprobs is not None or sp.uses_penalties or len(seq.output_ids) < sp.min_tokens:
+                return 1
+            # Overshooting max_tokens only costs dropped tokens; positions must stay in range.
+            if self.max_model_len - seq.num_tokens + 1 < k:
+                return 1
+            needed += self._pages_needed(seq, seq.num_tokens + k - 1)
+        return k if self.allocator.can_allocate(needed) else 1
+
+    def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
+        """Apply a call's sampled tokens (one list per item: one token per step run); return the
+        sequences that gained tokens or finished. Tokens after a sequence finishes are dropped."""
         changed = []
-        for item, token in zip(batch.items, sampled, strict=True):
+        for item, tokens in zip(batch.items, sampled, strict=True):
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -116,10 +142,14 @@ class Scheduler:
                 self._release_forks(seq)
             if not item.reaches_end:
                 continue
-            seq.output_ids.append(int(token))
-            reason = self._finish_reason(seq, int(token))
-            if reason is not None:
-                self._finish(seq, reason)
+            for i, token in enumerate(tokens):
+                # Token i was sampled after the step fed token i - 1 back: its K/V are cached.
+                seq.num_computed = item.start + item.length + i
+                seq.output_ids.append(int(token))
+                reason = self._finish_reason(seq, int(token))
+                if reason is not None:
+                    self._finish(seq, reason)
+                    break
             changed.append(seq)
         return changed
 
@@ -164,13 +194,14 @@ class Scheduler:
             self.running.append(seq)
         return ScheduledSeq(seq, seq.num_computed, length)
 
-    def _reserve_decode_pages(self, decodes: list[Sequence]) -> list[Sequence]:
-        """Give each decoding sequence room for one more token, preempting the newest if needed."""
+    def _reserve_decode_pages(self, decodes: list[Sequence], steps: int = 1) -> list[Sequence]:
+        """Give each decoding sequence room for ``steps`` more tokens, preempting the newest if
+        needed (multi-step calls are only scheduled when no preemption is needed)."""
         kept = []
         for seq in sorted(decodes, key=lambda s: s.arrival):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below to make room for an older one
-            needed = self._pages_needed(seq, seq.num_tokens)
+            needed = self._pages_needed(seq, seq.num_tokens + steps - 1)
             while not self.allocator.can_allocate(needed):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim)

@@ -26,7 +26,7 @@ def seq(prompt_len, max_tokens=4, rid=None, **kw):
 
 
 def run(sched, batch, token=7):
-    return sched.update(batch, [token] * len(batch.items))
+    return sched.update(batch, [[token]] * len(batch.items))
 
 
 def test_admission_chunking_and_finishing():
@@ -63,7 +63,7 @@ def test_eos_and_stop_tokens_finish_and_ignore_eos_does_not():
     run(sched, sched.schedule(), token=5)  # c's prefill
     batch = sched.schedule()
     assert batch.kind is StepKind.DECODE and len(batch.items) == 3
-    sched.update(batch, [EOS, 9, EOS])
+    sched.update(batch, [[EOS], [9], [EOS]])
     assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.STOP
     assert c.status is SequenceStatus.RUNNING and c.output_ids == [5, EOS]
     assert a.output_ids == [5, 5, 5, EOS] and b.output_ids == [5, 5, 9]
@@ -194,3 +194,62 @@ def test_aborting_a_parked_fork_removes_it():
     sched.add(parent)
     assert sched.abort("f") is fork and fork.finish_reason is FinishReason.ABORT
     assert parent.forks == []
+
+
+def _prefilled(sched, *seqs):
+    """Admit and prefill every sequence (one token sampled each)."""
+    for s in seqs:
+        sched.add(s)
+    while any(s.num_pending > 1 or not s.output_ids for s in seqs):
+        run(sched, sched.schedule())
+
+
+def test_multi_step_decode_only_when_nothing_else_waits():
+    alloc = PageAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 8, [EOS], decode_steps=4)
+    a = seq(3, max_tokens=20)
+    _prefilled(sched, a)
+    batch = sched.schedule()
+    assert batch.kind is StepKind.DECODE and batch.num_steps == 4
+    # Pages cover every position the 4 steps write: 3 prompt + 1 sampled + 3 fed back = 7 tokens.
+    assert len(a.pages) * 4 >= a.num_tokens + 3
+    sched.update(batch, [[5, 6, 8, 9]])
+    assert a.output_ids == [7, 5, 6, 8, 9] and a.num_computed == a.num_tokens - 1
+    sched.add(seq(3))  # a new request waits: one step at a time so it is admitted next
+    assert sched.schedule().num_steps == 1
+
+
+def test_multi_step_falls_back_to_one_step():
+    for kw in ({"logprobs": 2}, {"presence_penalty": 0.5}, {"min_tokens": 3}):
+        sched = Scheduler(PageAllocator(16, 4), 4, 64, 8, [EOS], decode_steps=4)
+        _prefilled(sched, seq(3, **{"max_tokens": 20, **kw}))
+        assert sched.schedule().num_steps == 1, kw
+    # Near the end of the context window there is no room for 4 more positions.
+    sched = Scheduler(PageAllocator(16, 4), 4, 8, 8, [EOS], decode_steps=4)
+    _prefilled(sched, seq(6, max_tokens=20))
+    assert sched.schedule().num_steps == 1
+
+
+def test_multi_step_overshoot_of_max_tokens_is_dropped():
+    sched = Scheduler(PageAllocator(16, 4), 4, 64, 8, [EOS], decode_steps=4)
+    a = seq(3, max_tokens=3)
+    _prefilled(sched, a)
+    batch = sched.schedule()
+    assert batch.num_steps == 4
+    sched.update(batch, [[5, 6, 8, 9]])
+    assert a.output_ids == [7, 5, 6] and a.finish_reason is FinishReason.LENGTH
+
+
+def test_multi_step_tokens_after_a_stop_are_dropped():
+    alloc = PageAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 8, [EOS], decode_steps=4)
+    a, b = seq(3, max_tokens=20), seq(5, max_tokens=20)
+    _prefilled(sched, a, b)
+    batch = sched.schedule()
+    assert batch.num_steps == 4
+    a_before, b_before = list(a.output_ids), list(b.output_ids)
+    changed = sched.update(batch, [[5, EOS, 6, 6], [5, 6, 8, 9]])
+    assert changed == [a, b]
+    assert a.output_ids == [*a_before, 5, EOS] and a.finish_reason is FinishReason.STOP
+    assert b.output_ids == [*b_before, 5, 6, 8, 9] and b.status is SequenceStatus.RUNNING
+    assert alloc.num_free == alloc.num_pages - len(b.pages)  # a's pages are back
