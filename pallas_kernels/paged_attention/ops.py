@@ -1,0 +1,70 @@
+"""``attention``: one paged-attention entry point that picks the Pallas kernel or the reference.
+
+``impl="auto"`` runs the Pallas kernel on GPU and the pure-jnp reference elsewhere. TPU stays on
+the reference because this kernel gathers K/V rows straight from HBM, which Mosaic TPU does not
+lower (see README.md). ``impl="pallas"`` always runs the kernel, interpreted on CPU;
+``impl="reference"`` always runs the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.paged_attention import kernel, reference
+
+IMPLS = ("auto", "pallas", "reference")
+
+
+def attention(
+    q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # [] int32
+    positions: jax.Array,  # [num_seqs, q_len] int32, absolute position of each query token
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+    kv_lens: jax.Array,  # [num_seqs] int32, valid KV positions (including this step's tokens)
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
+    impl: str = "auto",
+) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
+    """Paged attention with ``reference.paged_attention``'s contract, on the chosen implementation.
+
+    ``k_scale`` and ``v_scale`` dequantise a float8 cache (``k * k_scale``, ``v * v_scale``); the
+    reference path folds them into ``scale`` and the output, which is the same arithmetic.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "pallas" or (impl == "auto" and backend == "gpu"):
+        return kernel.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            positions,
+            page_indices,
+            kv_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            interpret=backend == "cpu",
+        )
+    out = reference.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        positions,
+        page_indices,
+        kv_lens,
+        scale=scale * k_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
