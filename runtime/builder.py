@@ -103,6 +103,7 @@ def build_engine(config: EngineConfig) -> Engine:
         prefill_chunk_size=config.prefill_chunk_size,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
+        prefill_lens=plan.prefill_lens,
     )
     name = config.served_model_name or files.name
     embedder = None

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from runtime.buckets import fit_chunk
 from runtime.page_allocator import PageAllocator
 from runtime.request import FinishReason
 from runtime.sequence import Sequence, SequenceStatus
@@ -59,6 +60,7 @@ class Scheduler:
         prefill_chunk_size: int,
         eos_token_ids: Iterable[int],
         decode_steps: int = 1,
+        prefill_lens: tuple[int, ...] = (),
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -66,6 +68,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.prefill_chunk_size = prefill_chunk_size
         self.decode_steps = decode_steps
+        self.prefill_lens = prefill_lens  # the runner's prefill buckets; chunks are cut to fit
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -184,6 +187,8 @@ class Scheduler:
                 return None
             seq = self.waiting[0]
         length = min(seq.num_pending, self.prefill_chunk_size)
+        if self.prefill_lens:
+            length = fit_chunk(self.prefill_lens, seq.num_pending, self.prefill_chunk_size)
         needed = self._pages_needed(seq, seq.num_computed + length)
         if not self.allocator.can_allocate(needed):
             return None
