@@ -1,4 +1,4 @@
-"""Padding buckets: the fixed shapes every step is padded to, all compiled at startup."""
+"""Padding buckets: the fixed shapes every step is padded to, all compiled ahead of time."""
 
 from __future__ import annotations
 

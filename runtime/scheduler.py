@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next step, and what their results change.
 
 Sequences join the running set between steps and leave it when they finish. A step is either a
-prefill chunk of one sequence (at most ``prefill_chunk_size`` tokens) or one decode token for every
-running sequence; when both kinds of work are waiting they alternate, so a long prompt delays
+prefill chunk of one sequence (at most ``prefill_chunk_size`` tokens, cut to fill a prefill
+bucket) or a decode for every running sequence (one token each, or ``decode_steps`` tokens when
+nothing else waits); when both kinds of work are waiting they alternate, so a long prompt delays
 running streams by at most one chunk at a time. When a decode needs a page and none is free, the
 newest running sequence is preempted: its pages are freed and it is recomputed later.
 """
