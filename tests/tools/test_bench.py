@@ -1,4 +1,5 @@
-"""tools/bench.py against a tiny fake OpenAI streaming server (no model, a few seconds)."""
+"""tools/bench.py (and its reporting half, tools/bench_report.py) against a tiny fake OpenAI
+streaming server (no model, a few seconds)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ from pathlib import Path
 
 import pytest
 
-BENCH_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
 CONTENT_CHUNKS = 5  # one token per chunk; the fake "EOS" comes after this many
 TIMINGS_TOKENS = 7  # differs from CONTENT_CHUNKS so the test sees which count was used
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_under_test", BENCH_PATH)
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
 
-bench = _load_bench()
+bench = _load("bench_under_test", TOOLS_DIR / "bench.py")
+report = _load("bench_report_under_test", TOOLS_DIR / "bench_report.py")
 
 
 class FakeServer(ThreadingHTTPServer):
@@ -260,13 +262,13 @@ def test_fixed_prompts_are_cut_or_repeated_to_the_requested_length():
 
 
 def test_summarize_from_known_chunk_timings():
-    R = bench.RequestResult
+    R = report.RequestResult
     results = [
         R(chunk_times_s=[0.1, 0.2, 0.3, 0.5], e2e_s=0.5, output_tokens=4, input_tokens=10),
         R(chunk_times_s=[0.2, 0.25, 0.3], e2e_s=0.4, output_tokens=3, input_tokens=20),
         R(chunk_times_s=[0.05], e2e_s=9.0, output_tokens=1, error="HTTP 500: boom"),
     ]
-    lv = bench.summarize(2, results, wall_s=2.0)
+    lv = report.summarize(2, results, wall_s=2.0)
     assert (lv.requests, lv.failed, lv.output_tokens) == (3, 1, 7)
     assert lv.first_error == "HTTP 500: boom"
     assert lv.output_tok_per_s == pytest.approx(3.5)
@@ -286,8 +288,8 @@ def test_summarize_from_known_chunk_timings():
 
 
 def test_summarize_single_token_requests_have_ttft_only():
-    results = [bench.RequestResult(chunk_times_s=[t], e2e_s=t, output_tokens=1) for t in (1, 2)]
-    lv = bench.summarize(1, results, wall_s=3.0)
+    results = [report.RequestResult(chunk_times_s=[t], e2e_s=t, output_tokens=1) for t in (1, 2)]
+    lv = report.summarize(1, results, wall_s=3.0)
     assert lv.ttft_p50_s == pytest.approx(1.5)
     assert lv.tpot_mean_s is None and lv.itl_p50_s is None and lv.input_tokens_mean is None
 
@@ -303,9 +305,9 @@ def test_plot_writes_png(usage_server, timings_server, tmp_path):
 
 
 def test_percentile_matches_linear_interpolation():
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
-    assert bench.percentile([7.0], 90) == 7.0
+    assert report.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert report.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert report.percentile([7.0], 90) == 7.0
 
 
 def test_lone_prompt_ttft_recipe(usage_server, tmp_path):
