@@ -29,6 +29,7 @@ from models.layers.attention import (
     paged_self_attention,
 )
 from models.layers.causal_attention import causal_self_attention
+from models.layers.linear import linear, quantize_int8
 from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
 from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
@@ -64,6 +65,7 @@ class DecoderConfig:
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
+    quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -73,6 +75,11 @@ class DecoderConfig:
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ValueError(
                 f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                f"got {self.quantization!r}"
             )
         if not 0 <= self.first_moe_layer <= self.num_layers:
             raise ValueError(f"first_moe_layer {self.first_moe_layer} is not a layer index")
@@ -112,6 +119,12 @@ class DecoderConfig:
 
 
 _GLOBAL_FIELDS = ("embed", "final_norm", "final_norm_b", "lm_head", "lm_head_b")
+QUANTIZATIONS = (None, "int8")
+# The layers' projections; embeddings, the LM head (too wide: see models.layers.linear), norms,
+# biases, routers and expert stacks stay in the run dtype.
+_QUANTIZED_FIELDS = frozenset(
+    ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
+)
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -195,19 +208,25 @@ def load(
         (moe_fields if is_moe else dense_fields).keys() for _, _, is_moe in cfg.segments
     ]
     weights: dict[str, Any] = {"segments": tuple({} for _ in cfg.segments)}
+
     # Each host array is dropped once it is on the device, so host memory peaks near one copy.
+    def device(name: str, array: np.ndarray) -> Any:
+        if cfg.quantization == "int8" and name in _QUANTIZED_FIELDS:
+            return quantize_int8(array)
+        return jnp.asarray(array)
+
     for name in list(host):
         array = host.pop(name)
         if name in _GLOBAL_FIELDS:
-            weights[name] = jnp.asarray(array)
+            weights[name] = device(name, array)
             continue
         for (start, end, _), seg, own in zip(
             cfg.segments, weights["segments"], segment_fields, strict=True
         ):
             if name in own:
-                seg[name] = jnp.asarray(array)
+                seg[name] = device(name, array)
             elif name not in dense_fields and name not in moe_fields:
-                seg[name] = jnp.asarray(array[start:end])
+                seg[name] = device(name, array[start:end])
     return weights
 
 
@@ -294,16 +313,13 @@ def lm_head(
     h: jax.Array,  # [..., hidden], final-normed
 ) -> jax.Array:  # [..., vocab] float32
     """Logits from final-normed hidden states (the tied embedding when there is no LM head)."""
-    if cfg.tie_word_embeddings:
+    if "lm_head" in weights:
+        bias = weights["lm_head_b"] if cfg.lm_head_bias else None
+        logits = linear(h, weights["lm_head"], bias, out_dtype=jnp.float32)
+    else:
         logits = jnp.einsum(
             "...h,vh->...v", h, weights["embed"], preferred_element_type=jnp.float32
         )
-    else:
-        logits = jnp.einsum(
-            "...h,hv->...v", h, weights["lm_head"], preferred_element_type=jnp.float32
-        )
-        if cfg.lm_head_bias:
-            logits = logits + weights["lm_head_b"].astype(jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     return logits

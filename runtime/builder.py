@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -60,6 +61,8 @@ def build_engine(config: EngineConfig) -> Engine:
     checkpoint = load_checkpoint(files)
     # The architecture is checked before the (slow) tokenizer and weights are read.
     spec, model_config = model_config_from_hf(checkpoint.config)
+    if config.isq is not None:
+        model_config = dataclasses.replace(model_config, quantization=config.isq)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)

@@ -30,6 +30,7 @@ class EngineConfig:
     prefill_chunk_size: int = 8192
     seed: int = 0
     decode_steps: int = 0
+    isq: str | None = None  # in-situ quantization at load: "int8" (weight-only, per channel)
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"kvcache_mem_mb must be >= 1, got {self.kvcache_mem_mb}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.isq not in (None, "int8"):
+            raise ValueError(f"isq must be int8 (or unset), got {self.isq!r}")
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         if self.prefill_chunk_size < self.page_size:

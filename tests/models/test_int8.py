@@ -1,0 +1,59 @@
+"""Weight-only int8 (``--isq int8``): the quantized model computes exactly what HF computes on
+the same quantize-dequantized weights, so the only error is the quantization itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.layers.linear import QuantizedWeight, quantize_int8
+from runtime.hf_loader import load_hf_checkpoint
+from tests.models.harness import TINY, Loaded, check_model, save_random_model
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _round_trip(weight_out_in):
+    """HF ``[out, in]`` weight -> our int8 -> back, as float32 ``[out, in]``."""
+    import torch
+
+    q = quantize_int8(weight_out_in.detach().numpy().T)
+    dequant = np.asarray(q.q, np.float32) * np.asarray(q.scale)[None, :]
+    return torch.from_numpy(dequant.T.copy())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_model_matches_hf_on_dequantized_weights(tmp_path: Path, tied: bool) -> None:
+    import torch
+    from transformers import LlamaConfig
+
+    from models.registry import get_model_spec
+
+    hf_model = save_random_model(LlamaConfig(**TINY, tie_word_embeddings=tied), tmp_path)
+    checkpoint = load_hf_checkpoint(tmp_path)
+    spec = get_model_spec("LlamaForCausalLM")
+    config = dataclasses.replace(spec.config_from_hf(checkpoint.config), quantization="int8")
+    weights = spec.load(config, checkpoint.tensors(), np.float32, checkpoint.num_tensors)
+    layer = weights["segments"][0]
+    assert isinstance(layer["w_up"], QuantizedWeight) and layer["w_up"].q.dtype == np.int8
+    assert not isinstance(weights.get("lm_head"), QuantizedWeight)  # the LM head stays float
+
+    with torch.no_grad():
+        for name, module in hf_model.named_modules():
+            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+                module.weight.copy_(_round_trip(module.weight))
+    check_model(Loaded(spec, config, weights), hf_model)
+
+
+def test_quantize_int8_error_is_bounded() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 64, 32)).astype(np.float32)
+    q = quantize_int8(w)
+    assert q.q.shape == (3, 64, 32) and q.scale.shape == (3, 32)
+    dequant = np.asarray(q.q, np.float32) * np.asarray(q.scale)[:, None, :]
+    # Round to nearest: at most half a step, a step being max|w| / 127 per output channel.
+    step = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(dequant - w) <= step / 2 + 1e-7)
