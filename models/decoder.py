@@ -313,13 +313,13 @@ def lm_head(
     h: jax.Array,  # [..., hidden], final-normed
 ) -> jax.Array:  # [..., vocab] float32
     """Logits from final-normed hidden states (the tied embedding when there is no LM head)."""
-    if "lm_head" in weights:
-        bias = weights["lm_head_b"] if cfg.lm_head_bias else None
-        logits = linear(h, weights["lm_head"], bias, out_dtype=jnp.float32)
-    else:
+    if cfg.tie_word_embeddings:
         logits = jnp.einsum(
             "...h,vh->...v", h, weights["embed"], preferred_element_type=jnp.float32
         )
+    else:
+        bias = weights["lm_head_b"] if cfg.lm_head_bias else None
+        logits = linear(h, weights["lm_head"], bias, out_dtype=jnp.float32)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     return logits

@@ -11,7 +11,7 @@ from typing import Any
 from models.decoder import DecoderConfig
 from models.layers.norms import NormConfig
 from models.layers.rotary import RopeConfig, rope_from_hf
-from models.llama import LAYER
+from models.llama import ATTENTION_RULES, GATED_MLP_RULES, GLOBAL_RULES, LAYER, sliding_flags
 from models.llama import config_from_hf as llama_like
 from models.weights import WeightRule, nested_rules
 
@@ -37,15 +37,7 @@ def _sliding_layers(hf: dict[str, Any], pattern: int) -> tuple[bool, ...]:
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
     ]
-    if len(layer_types) != num_layers or set(layer_types) - {
-        "sliding_attention",
-        "full_attention",
-    }:
-        raise ValueError(
-            f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
-            f"{num_layers} layers, got {layer_types}"
-        )
-    return tuple(t == "sliding_attention" for t in layer_types)
+    return sliding_flags(layer_types, num_layers)
 
 
 def gemma_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
@@ -110,21 +102,7 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     )
 
 
-GEMMA_WEIGHT_RULES = (
-    WeightRule(r"model\.embed_tokens\.weight", "embed"),
-    WeightRule(r"model\.norm\.weight", "final_norm"),
-    WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
-    WeightRule(LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
-    WeightRule(LAYER + r"self_attn\.q_proj\.weight", "wq", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.v_proj\.weight", "wv", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.q_norm\.weight", "q_norm", per_layer=True),
-    WeightRule(LAYER + r"self_attn\.k_norm\.weight", "k_norm", per_layer=True),
-    WeightRule(LAYER + r"mlp\.gate_proj\.weight", "w_gate", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"mlp\.up_proj\.weight", "w_up", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
-)
+GEMMA_WEIGHT_RULES = (*GLOBAL_RULES, *ATTENTION_RULES, *GATED_MLP_RULES)
 # Gemma 1 names its pre-MLP norm like Llama; Gemma 2/3 have four norms per layer.
 GEMMA1_WEIGHT_RULES = (
     *GEMMA_WEIGHT_RULES,

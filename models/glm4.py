@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from models.decoder import DecoderConfig
-from models.llama import LAYER
+from models.llama import ATTENTION_RULES, DOWN_RULE, FUSED_GATE_UP_RULE, GLOBAL_RULES, LAYER
 from models.llama import config_from_hf as llama_like
 from models.weights import WeightRule
 
@@ -23,22 +23,11 @@ def glm4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
 
 
 GLM4_WEIGHT_RULES = (
-    WeightRule(r"model\.embed_tokens\.weight", "embed"),
-    WeightRule(r"model\.norm\.weight", "final_norm"),
-    WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
-    WeightRule(LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
-    WeightRule(LAYER + r"self_attn\.q_proj\.weight", "wq", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.v_proj\.weight", "wv", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.q_proj\.bias", "bq", per_layer=True),
-    WeightRule(LAYER + r"self_attn\.k_proj\.bias", "bk", per_layer=True),
-    WeightRule(LAYER + r"self_attn\.v_proj\.bias", "bv", per_layer=True),
+    *GLOBAL_RULES,
+    *ATTENTION_RULES,
     WeightRule(LAYER + r"post_self_attn_layernorm\.weight", "attn_post_norm", per_layer=True),
     WeightRule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
     WeightRule(LAYER + r"post_mlp_layernorm\.weight", "mlp_post_norm", per_layer=True),
-    WeightRule(
-        LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), transpose=True, per_layer=True
-    ),
-    WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
+    FUSED_GATE_UP_RULE,
+    DOWN_RULE,
 )

@@ -56,15 +56,30 @@ def config_from_hf(
     return DecoderConfig(attention=AttentionConfig(**attention_fields), **decoder_fields)
 
 
+def sliding_flags(layer_types: list[str], num_layers: int) -> tuple[bool, ...]:
+    """Which layers slide, from transformers' ``layer_types`` (one of "sliding_attention" or
+    "full_attention" per layer)."""
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
+            f"{num_layers} layers, got {layer_types}"
+        )
+    return tuple(t == "sliding_attention" for t in layer_types)
+
+
 def llama_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     """Llama 1/2/3 (Yi, DeepSeek-R1-Distill-Llama, SmolLM): no sliding window."""
     return config_from_hf(hf)
 
 
-WEIGHT_RULES = (
+# Checkpoint-name rules shared by the Llama-like families; each family composes its table from
+# these and adds what it names differently (first match wins).
+GLOBAL_RULES = (
     WeightRule(r"model\.embed_tokens\.weight", "embed"),
     WeightRule(r"model\.norm\.weight", "final_norm"),
     WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
+)
+ATTENTION_RULES = (
     WeightRule(LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
     WeightRule(LAYER + r"self_attn\.q_proj\.weight", "wq", transpose=True, per_layer=True),
     WeightRule(LAYER + r"self_attn\.k_proj\.weight", "wk", transpose=True, per_layer=True),
@@ -76,9 +91,20 @@ WEIGHT_RULES = (
     WeightRule(LAYER + r"self_attn\.o_proj\.bias", "bo", per_layer=True),
     WeightRule(LAYER + r"self_attn\.q_norm\.weight", "q_norm", per_layer=True),
     WeightRule(LAYER + r"self_attn\.k_norm\.weight", "k_norm", per_layer=True),
-    WeightRule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
+    WeightRule(LAYER + r"self_attn\.rotary_emb\.inv_freq", None),
+)
+DOWN_RULE = WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True)
+GATED_MLP_RULES = (
     WeightRule(LAYER + r"mlp\.gate_proj\.weight", "w_gate", transpose=True, per_layer=True),
     WeightRule(LAYER + r"mlp\.up_proj\.weight", "w_up", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
-    WeightRule(LAYER + r"self_attn\.rotary_emb\.inv_freq", None),
+    DOWN_RULE,
+)
+FUSED_GATE_UP_RULE = WeightRule(
+    LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), transpose=True, per_layer=True
+)
+WEIGHT_RULES = (
+    *GLOBAL_RULES,
+    *ATTENTION_RULES,
+    WeightRule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
+    *GATED_MLP_RULES,
 )

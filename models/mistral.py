@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.decoder import DecoderConfig
-from models.llama import WEIGHT_RULES
+from models.llama import WEIGHT_RULES, sliding_flags
 from models.llama import config_from_hf as llama_like
 from models.weights import nested_rules
 
@@ -29,15 +29,7 @@ def ministral_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     layer_types = hf.get("layer_types") or (
         ["sliding_attention" if window else "full_attention"] * num_layers
     )
-    if len(layer_types) != num_layers or set(layer_types) - {
-        "sliding_attention",
-        "full_attention",
-    }:
-        raise ValueError(
-            f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
-            f"{num_layers} layers, got {layer_types}"
-        )
-    flags = tuple(t == "sliding_attention" for t in layer_types)
+    flags = sliding_flags(layer_types, num_layers)
     if not window or not any(flags):
         return llama_like(hf)
     return llama_like(hf, attention={"sliding_window": int(window)}, sliding_layers=flags)

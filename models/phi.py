@@ -7,7 +7,7 @@ from typing import Any
 
 from models.decoder import DecoderConfig
 from models.layers.norms import NormConfig
-from models.llama import LAYER
+from models.llama import DOWN_RULE, FUSED_GATE_UP_RULE, GLOBAL_RULES, LAYER
 from models.llama import config_from_hf as llama_like
 from models.weights import WeightRule
 
@@ -66,17 +66,13 @@ PHI2_WEIGHT_RULES = (
     WeightRule(LAYER + r"mlp\.fc2\.bias", "b_down", per_layer=True),
 )
 PHI3_WEIGHT_RULES = (
-    WeightRule(r"model\.embed_tokens\.weight", "embed"),
-    WeightRule(r"model\.norm\.weight", "final_norm"),
-    WeightRule(r"lm_head\.weight", "lm_head", transpose=True),
+    *GLOBAL_RULES,
     WeightRule(LAYER + r"input_layernorm\.weight", "attn_norm", per_layer=True),
     WeightRule(
         LAYER + r"self_attn\.qkv_proj\.weight", ("wq", "wk", "wv"), transpose=True, per_layer=True
     ),
     WeightRule(LAYER + r"self_attn\.o_proj\.weight", "wo", transpose=True, per_layer=True),
     WeightRule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm", per_layer=True),
-    WeightRule(
-        LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), transpose=True, per_layer=True
-    ),
-    WeightRule(LAYER + r"mlp\.down_proj\.weight", "w_down", transpose=True, per_layer=True),
+    FUSED_GATE_UP_RULE,
+    DOWN_RULE,
 )

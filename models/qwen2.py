@@ -7,6 +7,7 @@ from typing import Any
 
 from models.decoder import DecoderConfig
 from models.llama import config_from_hf as llama_like
+from models.llama import sliding_flags
 
 
 def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[tuple[bool, ...], int | None]:
@@ -17,12 +18,10 @@ def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[tuple[bool, ...], int | Non
     if not hf.get("use_sliding_window") or not window:
         return (), None
     if layer_types := hf.get("layer_types"):
-        flags = tuple(t == "sliding_attention" for t in layer_types)
+        flags = sliding_flags(layer_types, num_layers)
     else:
         first = int(hf.get("max_window_layers", num_layers))
         flags = tuple(i >= first for i in range(num_layers))
-    if len(flags) != num_layers:
-        raise ValueError(f"layer_types lists {len(flags)} layers, the model has {num_layers}")
     return (flags, int(window)) if any(flags) else ((), None)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import tuning
+from pallas_kernels.paged_attention import reference, tuning
 
 _MASKED = -1e30  # finite: exp(_MASKED - _MASKED) is 1, not NaN, while a row has seen no key yet
 _CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -146,9 +146,9 @@ def _validate(
     soft_cap: float | None,
     num_splits: int,
 ) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [num_seqs, q_len, num_heads, head_dim], got shape {q.shape}")
-    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+    # The shape rules the reference checks; then what the kernel needs on top.
+    reference._validate(q, k_cache, page_indices, kv_lens)
+    if v_cache.shape != k_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_layers, num_pages, page_size, num_kv_heads, "
             f"head_dim], got shapes {k_cache.shape} and {v_cache.shape}"
@@ -158,20 +158,11 @@ def _validate(
             f"k_cache and v_cache must share one of {[jnp.dtype(d).name for d in _CACHE_DTYPES]}, "
             f"got {k_cache.dtype} and {v_cache.dtype}"
         )
-    num_seqs, q_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[3]
-    if k_cache.shape[4] != head_dim:
-        raise ValueError(f"head_dim mismatch: q has {head_dim}, cache has {k_cache.shape[4]}")
-    if num_heads % num_kv_heads:
+    if positions.shape != q.shape[:2]:
+        raise ValueError(f"positions must be {list(q.shape[:2])}, got {positions.shape}")
+    if page_indices.ndim != 2:
         raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if positions.shape != (num_seqs, q_len):
-        raise ValueError(f"positions must be [{num_seqs}, {q_len}], got {positions.shape}")
-    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"page_indices {page_indices.shape} and kv_lens {kv_lens.shape} must lead with "
-            f"num_seqs={num_seqs}"
+            f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}"
         )
     if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
