@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from api.service_flags import add_service_flags, generation_config_defaults, server_config
-from runtime.config import DEFAULT_MODEL_ID, DTYPES, EngineConfig
+from runtime.config import DEFAULT_MODEL_ID, DTYPES, ISQ_CHOICES, KV_CACHE_DTYPES, EngineConfig
 
 if TYPE_CHECKING:
     from api.config import ServerConfig
@@ -125,10 +125,26 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     )
     add(
         "--isq",
-        choices=["int8"],
+        choices=ISQ_CHOICES,
         default=None,
-        help="quantize the weights in place at load: int8 = weight-only int8 with one scale per "
-        "output channel, about a quarter of the float32 bytes per step (default: off)",
+        help="quantize the layers' projections at load into a GGUF block type (q4_0 q4_1 q5_0 "
+        "q5_1 q8_0 q2k q3k q4k q5k q6k; k-quants fall back to a 32-block type for widths that are "
+        "not multiples of 256, as llama.cpp does) or int8 (one scale per output channel) "
+        "(default: off)",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache storage: auto = the model dtype; fp8 (or fp8_e4m3) = float8 e4m3 with one "
+        "scale per token and KV head, about a quarter of float32's bytes (default: %(default)s)",
+    )
+    add(
+        "--fp8-kvcache",
+        dest="kv_cache_dtype",
+        action="store_const",
+        const="fp8",
+        help="same as --kv-cache-dtype fp8",
     )
     add(
         "--decode-steps",
@@ -196,6 +212,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_chunk_size=args.prefill_chunk_size,
         decode_steps=args.decode_steps,
         isq=args.isq,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )

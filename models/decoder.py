@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.batch import StepBatch
+from models.isq import ISQ_TYPES, packer
 from models.layers.attention import (
     FULL_WINDOW,
     AttentionConfig,
@@ -34,7 +35,9 @@ from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weigh
 from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from models.layers.norms import NormConfig, apply_norm
-from models.weights import WeightRule, load_host_weights
+from models.weights import Packing, WeightRule, load_host_weights
+from pallas_kernels.dequant_matmul import HostPacked
+from pallas_kernels.dequant_matmul.host import take
 from pallas_kernels.paged_attention import KVCache, kv_cache_shape
 
 
@@ -119,12 +122,13 @@ class DecoderConfig:
 
 
 _GLOBAL_FIELDS = ("embed", "final_norm", "final_norm_b", "lm_head", "lm_head_b")
-QUANTIZATIONS = (None, "int8")
-# The layers' projections; embeddings, the LM head (too wide: see models.layers.linear), norms,
-# biases, routers and expert stacks stay in the run dtype.
+QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
+# The layers' projections, which all go through ``linear``. Embeddings, the LM head (too wide: see
+# models.layers.linear), norms, biases, routers and expert stacks stay in the run dtype; a
+# quantized checkpoint's tensors for them are dequantized at load.
 _QUANTIZED_FIELDS = frozenset(
     ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
-)
+).union(("s_gate", "s_up", "s_down"))  # the layers' projections, then the shared experts'
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -202,7 +206,12 @@ def load(
     shapes = weight_shapes(cfg)
     moe_fields = ffn_shapes(cfg, dense=False)
     first_layer = dict.fromkeys(moe_fields, cfg.first_moe_layer)
-    host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer)
+    # int8 quantizes float weights on the device (``device`` below): packed ones come dequantized.
+    packing = Packing(
+        fields=frozenset() if cfg.quantization == "int8" else _QUANTIZED_FIELDS & shapes.keys(),
+        quantize=packer(cfg.quantization) if cfg.quantization in ISQ_TYPES else None,
+    )
+    host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer, packing)
     dense_fields = ffn_shapes(cfg, dense=True)
     segment_fields = [
         (moe_fields if is_moe else dense_fields).keys() for _, _, is_moe in cfg.segments
@@ -210,7 +219,9 @@ def load(
     weights: dict[str, Any] = {"segments": tuple({} for _ in cfg.segments)}
 
     # Each host array is dropped once it is on the device, so host memory peaks near one copy.
-    def device(name: str, array: np.ndarray) -> Any:
+    def device(name: str, array: np.ndarray | HostPacked) -> Any:
+        if isinstance(array, HostPacked):
+            return array.to_device()
         if cfg.quantization == "int8" and name in _QUANTIZED_FIELDS:
             return quantize_int8(array)
         return jnp.asarray(array)
@@ -226,7 +237,8 @@ def load(
             if name in own:
                 seg[name] = device(name, array)
             elif name not in dense_fields and name not in moe_fields:
-                seg[name] = device(name, array[start:end])
+                part = take(array, slice(start, end)) if isinstance(array, HostPacked) else None
+                seg[name] = device(name, array[start:end] if part is None else part)
     return weights
 
 

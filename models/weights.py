@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
+
+from pallas_kernels.dequant_matmul import HostPacked
+from pallas_kernels.dequant_matmul.host import dequantize_host, split_out, stack
 
 
 class WeightLoadError(ValueError):
@@ -62,20 +65,37 @@ def load_weights(
     return {name: jnp.asarray(array) for name, array in host.items()}
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Which fields keep quantized weights packed, and how float ones get packed.
+
+    A ``HostPacked`` checkpoint value (GGUF block types, GPTQ, AWQ; always ``[in, out]``) that
+    maps to one of ``fields`` is stored packed; elsewhere it is dequantized. With ``quantize``,
+    every value of ``fields`` is packed at load into its type (in-situ quantization, ``[in, out]``
+    float in), a packed one after dequantizing it.
+    """
+
+    fields: frozenset[str] = frozenset()
+    quantize: Callable[[np.ndarray], HostPacked] | None = None
+
+
 def load_host_weights(
     shapes: Mapping[str, tuple[int, ...]],
     rules: Sequence[WeightRule],
-    tensors: Iterable[tuple[str, np.ndarray]],
+    tensors: Iterable[tuple[str, np.ndarray | HostPacked]],
     dtype: jnp.dtype,
     num_tensors: int | None = None,
     first_layer: Mapping[str, int] | None = None,
-) -> dict[str, np.ndarray]:
-    """Like ``load_weights`` but returns host (numpy) arrays.
+    packing: Packing = Packing(),
+) -> dict[str, np.ndarray | HostPacked]:
+    """Like ``load_weights`` but returns host (numpy) arrays, and ``HostPacked`` for the fields
+    that ``packing`` keeps packed.
 
     ``first_layer[field]`` is the layer a stacked field starts at: a field that exists only for
     layers k.. (DeepSeek's experts after its dense layers) has a leading axis of n - k.
     """
     host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    packed: dict[str, dict[tuple[int, ...], HostPacked]] = {name: {} for name in packing.fields}
     filled: dict[str, set[tuple[int, ...]]] = {name: set() for name in shapes}
     depth: dict[str, int] = {}
     offsets = first_layer or {}
@@ -86,7 +106,7 @@ def load_host_weights(
         for field in rule.fields:
             if field not in host:
                 raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {field!r}")
-        value = array
+        value = _prepare(array, rule, all(f in packed for f in rule.fields), packing)
         pieces = _split(key, rule, value, host) if len(rule.fields) > 1 else [value]
         for field, piece in zip(rule.fields, pieces, strict=True):
             index: tuple[int, ...] = ()
@@ -94,7 +114,12 @@ def load_host_weights(
                 index = tuple(int(g) for g in match.groups())
                 index = (index[0] - offsets.get(field, 0), *index[1:])
                 depth[field] = len(index)
-            _store(key, host[field], index, piece.T if rule.transpose else piece)
+            if isinstance(piece, HostPacked):
+                _check_index(key, shapes[field], index)
+                _check_shape(key, shapes[field][len(index) :], piece.codes.shape)
+                packed[field][index] = piece
+            else:
+                _store(key, host[field], index, piece.T if rule.transpose else piece)
             if index in filled[field]:
                 raise WeightLoadError(f"checkpoint key {key!r} appears twice")
             filled[field].add(index)
@@ -105,19 +130,85 @@ def load_host_weights(
             raise WeightLoadError(
                 f"checkpoint has no value for {name!r} (indices {sorted(missing)[:8]})"
             )
+    _finish_packed(host, packed, filled)
     return host
 
 
+def _prepare(
+    value: np.ndarray | HostPacked, rule: WeightRule, keep: bool, packing: Packing
+) -> np.ndarray | HostPacked:
+    """A checkpoint value as it will be stored: for a packed field, packed (and with
+    ``packing.quantize``, quantized now, re-quantized if it came packed in another type); else a
+    float array in the checkpoint's (torch) layout."""
+    if not keep:
+        if isinstance(value, HostPacked):
+            return np.swapaxes(dequantize_host(value), -1, -2)
+        return value
+    if packing.quantize is None:
+        return value
+    if isinstance(value, HostPacked):
+        weight = dequantize_host(value)
+    else:
+        weight = np.asarray(value.T if rule.transpose else value)
+    quantized = packing.quantize(weight)
+    return quantized if isinstance(quantized, HostPacked) else value
+
+
+def _finish_packed(
+    host: dict[str, np.ndarray | HostPacked],
+    packed: Mapping[str, Mapping[tuple[int, ...], HostPacked]],
+    filled: Mapping[str, set[tuple[int, ...]]],
+) -> None:
+    """Stack each packed field; a field with some float values stays float throughout."""
+    for name, parts in packed.items():
+        if parts and len(parts) == len(filled[name]):
+            host[name] = _stack_packed(parts)
+            continue
+        for index, part in parts.items():
+            _store(name, host[name], index, dequantize_host(part))
+
+
+def _stack_packed(parts: Mapping[tuple[int, ...], HostPacked]) -> HostPacked:
+    """Per-index pieces stacked along their index axes (layer, then expert)."""
+    if list(parts) == [()]:
+        return parts[()]
+    firsts = sorted({index[0] for index in parts})
+    return stack(
+        [
+            _stack_packed({index[1:]: p for index, p in parts.items() if index[0] == i})
+            for i in firsts
+        ]
+    )
+
+
+def _check_index(key: str, shape: tuple[int, ...], index: tuple[int, ...]) -> None:
+    for axis, i in enumerate(index):
+        if not 0 <= i < shape[axis]:
+            raise WeightLoadError(f"checkpoint key {key!r}: index {i} on axis {axis} out of range")
+
+
+def _check_shape(key: str, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise WeightLoadError(f"checkpoint key {key!r} has shape {tuple(got)}, expected {expected}")
+
+
 def _split(
-    key: str, rule: WeightRule, value: np.ndarray, host: Mapping[str, np.ndarray]
-) -> list[np.ndarray]:
-    """Cut a fused torch ``[out, in]`` tensor into the fields' output widths."""
+    key: str,
+    rule: WeightRule,
+    value: np.ndarray | HostPacked,
+    host: Mapping[str, np.ndarray],
+) -> list[np.ndarray] | list[HostPacked]:
+    """Cut a fused torch ``[out, in]`` tensor (or a packed ``[in, out]`` one) into the fields'
+    output widths."""
     sizes = [host[f].shape[-1] if rule.transpose else host[f].shape[-2] for f in rule.fields]
-    if value.shape[0] != sum(sizes):
+    rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
+    if rows != sum(sizes):
         raise WeightLoadError(
-            f"checkpoint key {key!r} has {value.shape[0]} output rows, expected "
+            f"checkpoint key {key!r} has {rows} output rows, expected "
             f"{' + '.join(map(str, sizes))} for {', '.join(rule.fields)}"
         )
+    if isinstance(value, HostPacked):
+        return split_out(value, sizes)
     return np.split(value, np.cumsum(sizes)[:-1], axis=0)
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from models.registry import model_config_from_hf
-from pallas_kernels.paged_attention import KVCache
+from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
 from runtime.embedder import EmbeddingRunner
@@ -42,6 +41,11 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
+    """The cache storage dtype of ``--kv-cache-dtype``: the model dtype, or e4m3 with scales."""
+    return jnp.dtype(model_dtype) if name == "auto" else FP8
+
+
 def load_checkpoint(files: ModelFiles) -> Checkpoint:
     if files.kind == "gguf":
         return load_gguf_checkpoint(files.path)
@@ -65,12 +69,12 @@ def build_engine(config: EngineConfig) -> Engine:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
-    weights = spec.load(model_config, checkpoint.tensors(), dtype, checkpoint.num_tensors)
-
-    page_bytes = (
-        sum(math.prod(shape) for shape in model_config.cache_shapes(1, config.page_size))
-        * dtype.itemsize
+    weights = spec.load(
+        model_config, checkpoint.tensors(packed=True), dtype, checkpoint.num_tensors
     )
+
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
     num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
@@ -79,9 +83,10 @@ def build_engine(config: EngineConfig) -> Engine:
             f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
         )
     logger.info(
-        "KV cache: %d pages of %d tokens (%.0f MB), max_model_len %d",
+        "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",
         num_pages,
         config.page_size,
+        kv_dtype.name,
         num_pages * page_bytes / 2**20,
         max_model_len,
     )
@@ -94,7 +99,7 @@ def build_engine(config: EngineConfig) -> Engine:
         spec,
         model_config,
         weights,
-        KVCache.zeros(k_shape, dtype, v_shape),
+        KVCache.zeros(k_shape, kv_dtype, v_shape),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.isq import ISQ_TYPES
+
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# GGUF block types (the same packed weights a GGUF file of that type gives) and per-channel int8.
+ISQ_CHOICES = (*ISQ_TYPES, "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8*: e4m3 + row scales
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,8 @@ class EngineConfig:
     tokens a decode call generates per sequence when no other work waits (multi-step decode: one
     dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
     compute-bound, and 8 on accelerators, where dispatch dominates small models.
+    kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
+    token and KV head; "auto" stores them in the model dtype.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -30,7 +37,10 @@ class EngineConfig:
     prefill_chunk_size: int = 8192
     seed: int = 0
     decode_steps: int = 0
-    isq: str | None = None  # in-situ quantization at load: "int8" (weight-only, per channel)
+    isq: str | None = (
+        None  # in-situ quantization at load: a GGUF block type or "int8" (ISQ_CHOICES)
+    )
+    kv_cache_dtype: str = "auto"
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -46,8 +56,13 @@ class EngineConfig:
             raise ValueError(f"kvcache_mem_mb must be >= 1, got {self.kvcache_mem_mb}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.isq not in (None, "int8"):
-            raise ValueError(f"isq must be int8 (or unset), got {self.isq!r}")
+        if self.isq is not None and self.isq not in ISQ_CHOICES:
+            raise ValueError(f"isq must be one of {', '.join(ISQ_CHOICES)}, got {self.isq!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         if self.prefill_chunk_size < self.page_size:

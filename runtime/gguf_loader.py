@@ -9,6 +9,9 @@
 4. ``gguf_tensors`` maps every tensor name to a rule before any weight is read.
 5. ``Checkpoint.tensors()`` memory-maps the shards again and yields one dequantized tensor at a
    time, HF-named, HF-shaped (``[out_features, in_features]`` for linear weights) and HF-ordered.
+   ``tensors(packed=True)`` yields each quantized tensor whose conversion only moves rows as a
+   ``HostPacked`` instead (``[in_features, out_features]``): its block bytes go through the same
+   row operations and are re-laid out, never dequantized.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from pallas_kernels.dequant_matmul import HostPacked
+from pallas_kernels.dequant_matmul.gguf_blocks import DECODERS, from_gguf
 from runtime.gguf_archs import ARCHS
 from runtime.gguf_config import CONFIG_TENSORS, GGUFModel, build_config
 from runtime.gguf_reader import (
@@ -28,6 +33,7 @@ from runtime.gguf_reader import (
     GGUFHeader,
     GGUFTensorInfo,
     dequantize_tensor,
+    raw_rows,
     read_gguf_header,
 )
 from runtime.gguf_tensors import TensorRule, plan_tensors
@@ -46,7 +52,7 @@ class Checkpoint:
     """
 
     config: dict[str, Any]
-    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]
+    tensors: Callable[..., Iterator[tuple[str, np.ndarray | HostPacked]]]  # (packed=False)
     num_tensors: int
 
 
@@ -86,8 +92,8 @@ def load_gguf_checkpoint(path: Path) -> Checkpoint:
     except GGUFError as e:
         raise GGUFError(f"{path}: {e}") from e
 
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        yield from _stream(rules, located)
+    def tensors(packed: bool = False) -> Iterator[tuple[str, np.ndarray | HostPacked]]:
+        yield from _stream(rules, located, packed)
 
     num_tensors = sum(len(rule.outputs) for rule in rules)
     return Checkpoint(config=config, tensors=tensors, num_tensors=num_tensors)
@@ -167,14 +173,25 @@ def _config_tensor_values(
 
 
 def _stream(
-    rules: tuple[TensorRule, ...], located: dict[str, tuple[Path, GGUFTensorInfo]]
-) -> Iterator[tuple[str, np.ndarray]]:
+    rules: tuple[TensorRule, ...],
+    located: dict[str, tuple[Path, GGUFTensorInfo]],
+    packed: bool,
+) -> Iterator[tuple[str, np.ndarray | HostPacked]]:
     files: dict[Path, np.ndarray] = {}
     for rule in rules:
-        arrays = []
+        sources = []
         for name in rule.sources:
             path, info = located[name]
             if path not in files:
                 files[path] = np.memmap(path, dtype=np.uint8, mode="r")
-            arrays.append(dequantize_tensor(files[path], info))
+            sources.append((files[path], info))
+        qtypes = {info.qtype for _, info in sources}
+        if packed and rule.rows_only and len(qtypes) == 1 and qtypes <= DECODERS.keys():
+            (qtype,) = qtypes
+            cols = sources[0][1].shape[-1]
+            arrays = rule.convert([raw_rows(data, info) for data, info in sources])
+            for out, raw in zip(rule.outputs, arrays, strict=True):
+                yield out, from_gguf(raw, qtype, cols)
+            continue
+        arrays = [dequantize_tensor(data, info) for data, info in sources]
         yield from zip(rule.outputs, rule.convert(arrays), strict=True)

@@ -187,6 +187,15 @@ def _read_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizat
     return name, tuple(reversed(dims)), qtype, offset, nbytes
 
 
+def raw_rows(
+    data: np.ndarray,  # [file_bytes] uint8, the whole file memory-mapped
+    info: GGUFTensorInfo,
+) -> np.ndarray:  # uint8 [*info.shape[:-1], row_bytes], owning its memory
+    """One quantized tensor's block bytes, one row of blocks per innermost-dimension row."""
+    raw = data[info.offset : info.offset + info.nbytes]
+    return np.array(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)))
+
+
 def dequantize_tensor(
     data: np.ndarray,  # [file_bytes] uint8, the whole file memory-mapped
     info: GGUFTensorInfo,

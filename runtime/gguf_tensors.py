@@ -38,6 +38,8 @@ class TensorRule:
     sources: tuple[str, ...]
     outputs: tuple[str, ...]
     convert: Callable[[list[np.ndarray]], list[np.ndarray]]
+    # The conversion only reorders, splits or unstacks rows, so it works on block bytes too.
+    rows_only: bool = True
 
 
 def plan_tensors(
@@ -107,6 +109,7 @@ def _unmapped(name: str, arch: str) -> GGUFError:
 def _single(spec: ArchSpec, name: str, hf: str, ops: tuple[_Op, ...]) -> TensorRule:
     if spec.norm_shift and hf.endswith("norm.weight"):
         ops = (*ops, partial(_shift, by=-spec.norm_shift))
+        return TensorRule((name,), (hf,), partial(_apply, ops), rows_only=False)
     return TensorRule((name,), (hf,), partial(_apply, ops))
 
 
@@ -173,7 +176,9 @@ def _merge_kv_b(config: dict[str, Any], model: GGUFModel, blk: str, prefix: str)
                 f"GGUF tensor {name!r} has shape {model.shapes.get(name)}, expected {shape} "
                 "(attn_k_b and attn_v_b must come together)"
             )
-    return TensorRule((k_b, v_b), (prefix + "self_attn.kv_b_proj.weight",), _join_kv_b)
+    return TensorRule(
+        (k_b, v_b), (prefix + "self_attn.kv_b_proj.weight",), _join_kv_b, rows_only=False
+    )
 
 
 def _apply(ops: tuple[_Op, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:

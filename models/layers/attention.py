@@ -19,7 +19,7 @@ from models.batch import StepBatch
 from models.layers.linear import linear
 from models.layers.norms import NormConfig, apply_norm
 from models.layers.rotary import RopeConfig, apply_rope
-from pallas_kernels.paged_attention import KVCache, paged_attention, write_kv
+from pallas_kernels.paged_attention import KVCache, paged_attention, write_cache
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,11 @@ def paged_self_attention(
 ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
     """Attention for one layer; this step's K/V are written to their pages before attending."""
     q, k, v = project_qkv(cfg, x, lw, batch.positions, meta)
-    k_cache, v_cache = write_kv(
-        cache.k, cache.v, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices
-    )
+    cache = write_cache(cache, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices)
     out = paged_attention(
         q,
-        k_cache,
-        v_cache,
+        cache.k,
+        cache.v,
         meta.index,
         batch.positions,
         batch.page_indices,
@@ -160,5 +158,7 @@ def paged_self_attention(
         scale=cfg.scale,
         sliding_window=layer_window(cfg, meta),
         soft_cap=cfg.soft_cap,
+        k_scales=cache.k_scales,
+        v_scales=cache.v_scales,
     )
-    return output_projection(cfg, out, lw), KVCache(k=k_cache, v=v_cache)
+    return output_projection(cfg, out, lw), cache

@@ -1,5 +1,7 @@
 """The one linear layer every projection goes through, for plain and quantized weights.
 
+``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``.
+
 ``QuantizedWeight`` is int8 weight-only quantization with one float32 scale per output channel
 (symmetric, round to nearest): ``w ~= q * scale``. XLA:CPU widens int8 to the compute dtype in a
 separate pass before the dot; for a layer's projections the widened copy stays in cache, so a
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from pallas_kernels.dequant_matmul import PackedWeight, dequant_matmul
 
 
 @struct.dataclass
@@ -40,12 +44,14 @@ def quantize_int8(weight: np.ndarray) -> QuantizedWeight:
 
 def linear(
     x: jax.Array,  # [..., in]
-    weight: jax.Array | QuantizedWeight,  # [in, out]
+    weight: jax.Array | QuantizedWeight | PackedWeight,  # [in, out]
     bias: jax.Array | None = None,  # [out]
     out_dtype: jnp.dtype | None = None,
 ) -> jax.Array:  # [..., out] in out_dtype, default x's dtype
     """x @ weight (+ bias), accumulated in float32 whatever the storage dtype."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, PackedWeight):
+        y = dequant_matmul(x, weight)
+    elif isinstance(weight, QuantizedWeight):
         y = jnp.einsum(
             "...i,io->...o", x, weight.q.astype(x.dtype), preferred_element_type=jnp.float32
         )

@@ -12,7 +12,8 @@ into the attention output, so the attention itself is multi-query attention with
 
 Cache layout (see ``mla_cache_shapes``): ``KVCache.k`` is ``[num_layers, num_pages, page_size,
 1, kv_lora_rank + qk_rope_head_dim]``; ``KVCache.v`` has a last dimension of 0, is never read
-and is returned unchanged.
+and is returned unchanged. A float8 cache stores each latent row in e4m3 with one scale
+(``KVCache.k_scales``), which serves as both the key's and the value's scale.
 
 A layer's weights are a dict, linears stored ``[in, out]``:
 
@@ -42,7 +43,7 @@ from models.layers.norms import rms_norm
 from models.layers.rope_scaling import yarn_mscale
 from models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
 from models.weights import WeightRule
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape, paged_attention, write_kv
+from pallas_kernels.paged_attention import KVCache, kv_cache_shape, paged_attention, write_cache
 
 _MASKED = -1e30  # finite, so a padding row with no visible key stays finite instead of NaN
 
@@ -241,8 +242,8 @@ def paged_mla(
     q_nope, q_pe = _queries(cfg, x, lw, batch.positions)
     latents = _latents(cfg, x, lw, batch.positions)[:, :, None, :]  # [.., q_len, 1, cache_dim]
     no_v = jnp.zeros((num_seqs, q_len, 1, 0), cache.v.dtype)
-    k_cache, _ = write_kv(
-        cache.k, cache.v, layer, latents, no_v, batch.positions, batch.q_lens, batch.page_indices
+    cache = write_cache(
+        cache, layer, latents, no_v, batch.positions, batch.q_lens, batch.page_indices
     )
     w_uk, w_uv = _split_kv_b(cfg, lw["wkv_b"])
     # Absorption reassociates the products, so the latent-space query and output stay in
@@ -254,18 +255,20 @@ def paged_mla(
     # The latent row is both key and value; only its c_kv features are wanted as output.
     out = paged_attention(
         q,
-        k_cache,
-        k_cache,
+        cache.k,
+        cache.k,
         layer,
         batch.positions,
         batch.page_indices,
         batch.kv_lens,
         scale=cfg.softmax_scale,
+        k_scales=cache.k_scales,
+        v_scales=cache.k_scales,
     )[..., : cfg.kv_lora_rank]  # [num_seqs, q_len, num_heads, kv_lora_rank] float32
     out = jnp.einsum("sqhr,rhv->sqhv", out, w_uv.astype(jnp.float32)).astype(x.dtype)
     out = out.reshape(num_seqs, q_len, cfg.num_heads * cfg.v_head_dim)
     out = linear(out, lw["wo"], lw["bo"] if cfg.attention_bias else None)
-    return out, KVCache(k=k_cache, v=cache.v)
+    return out, cache
 
 
 def mla_causal(

@@ -1,11 +1,33 @@
 """Paged attention: the KV cache layout, the KV write, and attention that reads only through pages.
 
-The cache layout is owned here; callers ask ``kv_cache_shape`` instead of hard-coding it.
+The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_shape``,
+``kv_cache_bytes`` for a float8 cache) instead of hard-coding it, and write through
+``write_cache``.
 ``attention`` picks the Pallas kernel (``kernel.py``) or the reference (``reference.py``).
 """
 
-from pallas_kernels.paged_attention.layout import KVCache, kv_cache_shape, write_kv
+from pallas_kernels.paged_attention.layout import (
+    FP8,
+    KVCache,
+    kv_cache_bytes,
+    kv_cache_shape,
+    kv_scale_shape,
+    quantize_rows,
+    write_cache,
+    write_kv,
+)
 from pallas_kernels.paged_attention.ops import attention
 from pallas_kernels.paged_attention.reference import paged_attention
 
-__all__ = ["KVCache", "attention", "kv_cache_shape", "paged_attention", "write_kv"]
+__all__ = [
+    "FP8",
+    "KVCache",
+    "attention",
+    "kv_cache_bytes",
+    "kv_cache_shape",
+    "kv_scale_shape",
+    "paged_attention",
+    "quantize_rows",
+    "write_cache",
+    "write_kv",
+]

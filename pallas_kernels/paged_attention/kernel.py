@@ -10,6 +10,9 @@
    zero, so NaN-filled stale pages cannot leak.
 4. With ``num_splits > 1`` each split writes its normalised partial output and log-sum-exp, and a
    small jnp step combines them.
+5. A float8 cache with row scales (``k_scales``/``v_scales``, see ``layout.py``) has each key's
+   scale gathered with its row, and the row dequantised before it is used; a NaN scale of a
+   masked key is selected away like a NaN value.
 
 A row that sees no key at all (a padding row) returns zeros.
 """
@@ -40,8 +43,7 @@ def _attention_kernel(
     q_ref,  # [block_rows, head_dim]
     k_ref,  # [num_layers, num_pages, page_size, head_dim], this KV head
     v_ref,  # [num_layers, num_pages, page_size, head_dim], this KV head
-    o_ref,  # [block_rows, head_dim]
-    *lse_refs,  # with splits: ([block_rows] float32,)
+    *refs,  # ([k_scales, v_scales] with row scales), o, ([lse] with splits): see below
     scale: float,
     soft_cap: float | None,
     has_window: bool,
@@ -49,7 +51,12 @@ def _attention_kernel(
     block_k: int,
     keys_per_split: int,
     max_keys: int,
+    row_scales: bool,
 ):
+    # k_scales, v_scales: [num_layers, num_pages, page_size] float32, this KV head's row scales
+    k_scales_ref, v_scales_ref = refs[:2] if row_scales else (None, None)
+    # o: [block_rows, head_dim]; lse: [block_rows] float32
+    o_ref, *lse_refs = refs[2:] if row_scales else refs
     seq, split = pl.program_id(0), pl.program_id(3)
     layer, window = scalars_ref[0], scalars_ref[1]
     k_scale, v_scale = scales_ref[0], scales_ref[1]
@@ -78,6 +85,9 @@ def _attention_kernel(
         offset = lax.rem(t, page_size)
         k = k_ref[layer, page, offset, :].astype(jnp.float32)  # [block_k, head_dim]
         v = v_ref[layer, page, offset, :].astype(jnp.float32)
+        if row_scales:
+            k = k * k_scales_ref[layer, page, offset][:, None]
+            v = v * v_scales_ref[layer, page, offset][:, None]
         s = lax.dot_general(
             q,
             k,
@@ -145,9 +155,12 @@ def _validate(
     sliding_window: int | jax.Array | None,
     soft_cap: float | None,
     num_splits: int,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
 ) -> None:
     # The shape rules the reference checks; then what the kernel needs on top.
     reference._validate(q, k_cache, page_indices, kv_lens)
+    reference._validate_scales(k_cache, v_cache, k_scales, v_scales)
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_layers, num_pages, page_size, num_kv_heads, "
@@ -263,17 +276,19 @@ def _launch(
     kernel_body: Callable[..., None],
     plan: _Plan,
     out_dtype: jnp.dtype,
-    inputs: tuple[jax.Array, ...],  # the kernel's inputs, in its argument order
+    inputs: tuple[jax.Array, ...],  # the kernel's inputs in its argument order; 10 with scales
     interpret: bool,
 ) -> list[jax.Array]:  # o [num_splits, s, kv_heads, padded_rows, d] (+ lse without head_dim)
     """The ``pallas_call``: grid ``(sequence, kv head, row block, split)`` and its BlockSpecs."""
     num_seqs, num_kv_heads, padded_rows, head_dim = inputs[5].shape
     cache_shape = inputs[6].shape
+    row_scales = len(inputs) > 8
     block_rows, splits = plan.config.block_rows, plan.num_splits
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     cache_spec = pl.BlockSpec(
         (*cache_shape[:3], None, head_dim), lambda s, h, r, k: (0, 0, 0, h, 0)
     )
+    scales_spec = pl.BlockSpec((*cache_shape[:3], None), lambda s, h, r, k: (0, 0, 0, h))
     out_shape = [
         jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, padded_rows, head_dim), out_dtype)
     ]
@@ -297,6 +312,7 @@ def _launch(
             pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, r, k: (s, h, r, 0)),
             cache_spec,
             cache_spec,
+            *([scales_spec, scales_spec] if row_scales else []),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -320,6 +336,8 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     num_splits: int = 1,
     block_rows: int | None = None,
     block_k: int | None = None,
@@ -331,13 +349,24 @@ def paged_attention(
 
     Key ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p`` and, with a
     window ``w`` (a static int or a traced int32 scalar), ``t > p - w``. The cache may be float8
-    (e4m3fn or e5m2): it is dequantised in-kernel as ``k * k_scale`` and ``v * v_scale``.
+    (e4m3fn or e5m2): it is dequantised in-kernel as ``k * k_scale`` and ``v * v_scale``, and
+    with ``k_scales``/``v_scales`` also by each row's own scale (``KVCache``'s float8 layout).
     ``num_splits`` splits each sequence's key range across programs (split-K, for long contexts
     and few sequences). Block sizes default to ``tuning.lookup``; ``interpret=True`` runs the
     kernel on CPU. Rows that see no key return zeros.
     """
     _validate(
-        q, k_cache, v_cache, positions, page_indices, kv_lens, sliding_window, soft_cap, num_splits
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        page_indices,
+        kv_lens,
+        sliding_window,
+        soft_cap,
+        num_splits,
+        k_scales,
+        v_scales,
     )
     num_layers, num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if not interpret and not tuning.is_power_of_two(head_dim):
@@ -365,6 +394,7 @@ def paged_attention(
         block_k=plan.config.block_k,
         keys_per_split=plan.keys_per_split,
         max_keys=plan.max_keys,
+        row_scales=k_scales is not None,
     )
     inputs = (
         jnp.stack([layer, window]),
@@ -376,6 +406,8 @@ def paged_attention(
         k_cache,
         v_cache,
     )
+    if k_scales is not None:
+        inputs += (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
     split = num_splits > 1
     outs = _launch(kernel_body, plan, jnp.float32 if split else q.dtype, inputs, interpret)
     out = _combine_splits(outs[0], outs[1]) if split else outs[0][0]

@@ -29,12 +29,15 @@ def attention(
     soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     impl: str = "auto",
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Paged attention with ``reference.paged_attention``'s contract, on the chosen implementation.
 
     ``k_scale`` and ``v_scale`` dequantise a float8 cache (``k * k_scale``, ``v * v_scale``); the
     reference path folds them into ``scale`` and the output, which is the same arithmetic.
+    ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -53,6 +56,8 @@ def attention(
             soft_cap=soft_cap,
             k_scale=k_scale,
             v_scale=v_scale,
+            k_scales=k_scales,
+            v_scales=v_scales,
             interpret=backend == "cpu",
         )
     out = reference.paged_attention(
@@ -66,5 +71,7 @@ def attention(
         scale=scale * k_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)

@@ -1,7 +1,8 @@
 """Pure-jnp paged attention: the numerical reference, and the CPU path.
 
 Each sequence gathers only its own pages (``page_indices``) and every key position at or past its
-``kv_lens`` is masked, so stale or NaN-filled pages never leak into the result.
+``kv_lens`` is masked, so stale or NaN-filled pages never leak into the result. A float8 cache is
+read with its row scales (see ``layout.py``): each gathered row is dequantised before masking.
 """
 
 from __future__ import annotations
@@ -37,6 +38,39 @@ def _validate(
         )
 
 
+def _validate_scales(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+) -> None:
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales (a float8 cache) or neither")
+    if k_scales is None:
+        return
+    for name, scales, cache in (("k_scales", k_scales, k_cache), ("v_scales", v_scales, v_cache)):
+        if scales.shape != cache.shape[:4]:
+            raise ValueError(
+                f"{name} must be [num_layers, num_pages, page_size, num_kv_heads] = "
+                f"{list(cache.shape[:4])}, got {scales.shape}"
+            )
+
+
+def _gather_rows(
+    cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    scales: jax.Array | None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    layer: jax.Array,  # [] int32
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+) -> jax.Array:  # [num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim]
+    """A sequence's rows in order; with scales, dequantised to float32."""
+    num_seqs = page_indices.shape[0]
+    rows = cache[layer, page_indices].reshape(num_seqs, -1, *cache.shape[3:])
+    if scales is None:
+        return rows
+    row_scales = scales[layer, page_indices].reshape(num_seqs, -1, cache.shape[3])
+    return rows.astype(jnp.float32) * row_scales.astype(jnp.float32)[..., None]
+
+
 def paged_attention(
     q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
@@ -49,23 +83,29 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Causal attention of each query token over its own sequence's paged K/V.
 
     Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p`` and,
-    with a sliding window ``w``, ``t > p - w``. Computation is in float32.
+    with a sliding window ``w``, ``t > p - w``. Computation is in float32. With ``k_scales`` and
+    ``v_scales`` (a float8 cache, see ``KVCache``) row ``r`` of K is ``k_cache[r] * k_scales[r]``,
+    and likewise for V; scales of masked rows are never used, so they may be NaN.
     """
     _validate(q, k_cache, page_indices, kv_lens)
+    _validate_scales(k_cache, v_cache, k_scales, v_scales)
     num_seqs, q_len, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
     kv_len_max = page_indices.shape[1] * page_size
 
-    k = k_cache[layer, page_indices].reshape(num_seqs, kv_len_max, num_kv_heads, head_dim)
-    v = v_cache[layer, page_indices].reshape(num_seqs, kv_len_max, num_kv_heads, head_dim)
+    k = _gather_rows(k_cache, k_scales, layer, page_indices)  # [s, kv_len_max, kv_heads, d]
+    v = _gather_rows(v_cache, v_scales, layer, page_indices)
     key_pos = jnp.arange(kv_len_max)  # [kv_len_max]
     in_range = key_pos[None, :] < kv_lens[:, None]  # [num_seqs, kv_len_max]
     # Zero unused positions: masked scores alone do not stop 0 * NaN from reaching the output.
+    # This also drops whatever a stale row's scale made of it.
     k = jnp.where(in_range[:, :, None, None], k, 0).astype(jnp.float32)
     v = jnp.where(in_range[:, :, None, None], v, 0).astype(jnp.float32)
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf.quants import QuantError, quantize
+from gguf import GGML_QUANT_SIZES
 
+from pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
 from tests.models.gguf_writer_metadata import (
     deepseek_metadata,
     gemma2_metadata,
@@ -62,15 +63,16 @@ def write_gguf(
     path: Path,
     *,
     split_into: int | None = None,
-    qtype: str = "f32",
+    qtype: str | Callable[[str], str] = "f32",
     fuse_qkv: bool = False,
     split_kv_b: bool = True,
 ) -> list[Path]:
     """Convert a float32 HF model (or its on-disk state dict) to GGUF; return the files written.
 
     ``split_into`` writes that many gguf-split shards (``<stem>-00001-of-0000N.gguf`` ...).
-    ``qtype`` ("f32", "f16", "q8_0") is the type of the matrices; norms, routers and vectors stay
-    float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``; ``split_kv_b=False``
+    ``qtype`` ("f32", "f16" or a block type of ``QUANT_TYPES``: "q8_0", "q4k" ...; or a function
+    of the GGUF tensor name giving one) is the type of the matrices; norms, routers and vectors
+    stay float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``; ``split_kv_b=False``
     writes DeepSeek's older single ``attn_kv_b``. No tokenizer is written.
     """
     hp = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
@@ -146,18 +148,21 @@ def _fuse_qkv(tensors: Tensors) -> Tensors:
     return out
 
 
-def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: str) -> None:
+def _add_tensor(
+    writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: str | Callable[[str], str]
+) -> None:
     array = np.ascontiguousarray(array, dtype=np.float32)
-    if qtype == "f32" or array.ndim < 2 or name.endswith(_F32_TENSORS):
+    kind = qtype(name) if callable(qtype) else qtype
+    if kind == "f32" or array.ndim < 2 or name.endswith(_F32_TENSORS):
         writer.add_tensor(name, array)
-    elif qtype == "f16":
+        return
+    block_type = QUANT_TYPES.get(kind)
+    # Rows that do not split into the type's blocks: the converter falls back to F16.
+    if kind == "f16" or array.shape[-1] % GGML_QUANT_SIZES[block_type][0]:
         writer.add_tensor(name, array.astype(np.float16))
-    else:
-        q8 = gguf.GGMLQuantizationType.Q8_0
-        try:
-            writer.add_tensor(name, quantize(array, q8), raw_dtype=q8)
-        except QuantError:  # rows not a multiple of 32: the converter falls back to F16
-            writer.add_tensor(name, array.astype(np.float16))
+        return
+    rows = quantize_rows(array.reshape(-1, array.shape[-1]), block_type)
+    writer.add_tensor(name, rows.reshape(*array.shape[:-1], -1), raw_dtype=block_type)
 
 
 def _unchanged(state: Tensors, hp: dict[str, Any]) -> Tensors:

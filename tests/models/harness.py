@@ -66,7 +66,7 @@ def load_checkpoint(checkpoint: Checkpoint) -> Loaded:
     """Our model from any checkpoint (HF folder or GGUF), through the registry."""
     spec = get_model_spec(checkpoint.config["architectures"][0])
     config = spec.config_from_hf(checkpoint.config)
-    weights = spec.load(config, checkpoint.tensors(), np.float32, checkpoint.num_tensors)
+    weights = spec.load(config, checkpoint.tensors(packed=True), np.float32, checkpoint.num_tensors)
     return Loaded(spec, config, weights)
 
 

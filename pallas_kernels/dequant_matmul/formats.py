@@ -1,0 +1,151 @@
+"""Packed weight formats: every supported block quantization as one pytree, ``PackedWeight``.
+
+All the formats share one dequantization formula, evaluated in float32 per element of an
+``[..., in, out]`` weight (``k`` along ``in``, ``n`` along ``out``)::
+
+    w[k, n] = (d[k // gd, n] * sc[k // gs, n]) * (q[k, n] - z) - mn[k // gm, n] * m[k // gm', n]
+
+- ``q``: unsigned integer codes of ``bits`` bits, stored in bit planes (``PLANES``);
+- ``d``: the float16 block scale; ``sc``: an optional integer sub-block scale (k-quants);
+- ``z``: the code of zero, a constant of the format (8 for Q4_0) or a per-group array (GPTQ/AWQ);
+- ``mn``: an optional float16 block minimum; ``m``: an optional integer sub-block minimum.
+
+A factor that a format lacks is left out of the product, not multiplied in as 1, so the float32
+arithmetic is the same as each format's own dequantizer and the result is bit-exact with
+``gguf.quants.dequantize`` (the sub-scale products ``d * sc`` are exact in float32, so nothing
+rounds where the GGUF code does not). The table of how each GGUF type maps onto the formula:
+
+| type | bits | d per | sc | z | mn, m |
+|---|---|---|---|---|---|
+| Q4_0, Q5_0, Q8_0 | 4, 5, 8 | 32 | - | 8, 16, 128 | - |
+| Q4_1, Q5_1 | 4, 5 | 32 | - | 0 | ``mn = -min`` per 32 |
+| Q2_K | 2 | 256 | uint4 per 16 | 0 | ``dmin`` per 256, uint4 per 16 |
+| Q3_K | 3 | 256 | int6 - 32 per 16 | 4 | - |
+| Q4_K, Q5_K | 4, 5 | 256 | uint6 per 32 | 0 | ``dmin`` per 256, uint6 per 32 |
+| Q6_K | 6 | 256 | int8 per 16 | 32 | - |
+| GPTQ / AWQ 4-bit | 4 | group | - | uint4 per group | - |
+
+Bit planes: codes of 8, 6, 5, 4, 3 and 2 bits are split into planes of (8), (4, 2), (4, 1), (4),
+(2, 1) and (2) bits. A plane of ``b`` bits packs each run of 32 codes along ``in`` into ``4 * b``
+bytes; byte ``j`` of a run holds codes ``j + s * 4 * b`` at bit ``s * b``. Unpacking is shifts and
+a reshape, with no gathers, and a tile of whole runs along ``in`` unpacks on its own (kernels).
+
+Device bytes per weight: Q4_0 4.5 bits, Q4_1 5, Q8_0 8.5, Q4_K 4.625 (GGUF packs its 6-bit
+sub-scales and mins into 12 bytes, 4.5; here they are one byte each so that no kernel has to
+unpick them), Q6_K 6.5625.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+RUN = 32  # codes per packed run along ``in``
+PLANES = {8: (8,), 6: (4, 2), 5: (4, 1), 4: (4,), 3: (2, 1), 2: (2,)}
+
+
+@struct.dataclass
+class PackedWeight:
+    """A quantized ``[..., in, out]`` weight; leading axes (layers, experts) stack like a float one.
+
+    Each group array is ``[..., in // group, out]``; ``z`` may also be ``[..., 1, 1]`` (one zero
+    code per stacked matrix, for layers of different GGUF types stacked together).
+    """
+
+    planes: tuple[jax.Array, ...]  # uint8 [..., in * bits_i // 8, out] per plane
+    d: jax.Array  # float16 [..., in // gd, out]
+    sc: jax.Array | None = None  # int8 [..., in // gs, out]
+    z: jax.Array | None = None  # uint8 [..., in // gz, out] or [..., 1, 1]; None: ``zero``
+    mn: jax.Array | None = None  # float16 [..., in // gm, out]
+    m: jax.Array | None = None  # uint8 [..., in // gm', out]
+    bits: int = struct.field(pytree_node=False, default=4)
+    zero: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        lead, packed, out = (
+            self.planes[0].shape[:-2],
+            self.planes[0].shape[-2],
+            self.planes[0].shape[-1],
+        )
+        return (*lead, packed * 8 // PLANES[self.bits][0], out)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every array of the weight."""
+        arrays = (*self.planes, self.d, self.sc, self.z, self.mn, self.m)
+        return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+
+@dataclass
+class HostPacked:
+    """``PackedWeight``'s host form before packing: codes one per byte, arrays in numpy."""
+
+    codes: np.ndarray  # uint8 [..., in, out]
+    bits: int
+    d: np.ndarray  # float16 [..., in // gd, out]
+    sc: np.ndarray | None = None  # int8
+    z: np.ndarray | int = 0  # uint8 group array, or the format's constant
+    mn: np.ndarray | None = None  # float16
+    m: np.ndarray | None = None  # uint8
+
+    def to_device(self) -> PackedWeight:
+        """Pack the codes into bit planes and move every array to the default device."""
+        put = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+        constant = isinstance(self.z, int)
+        return PackedWeight(
+            planes=tuple(jnp.asarray(p) for p in pack_planes(self.codes, self.bits)),
+            d=put(self.d),
+            sc=put(self.sc),
+            z=None if constant else put(self.z),
+            mn=put(self.mn),
+            m=put(self.m),
+            bits=self.bits,
+            zero=self.z if constant else 0,
+        )
+
+
+def pack_planes(
+    codes: np.ndarray,  # uint8 [..., in, out], values < 2**bits
+    bits: int,
+) -> list[np.ndarray]:  # uint8 [..., in * b // 8, out] per plane of b bits
+    """Split codes into the bit planes of ``PLANES[bits]`` (see the module docstring)."""
+    if bits not in PLANES:
+        raise ValueError(f"bits must be one of {sorted(PLANES)}, got {bits}")
+    *lead, k, n = codes.shape
+    if k % RUN:
+        raise ValueError(f"the in dimension ({k}) must be a multiple of {RUN}")
+    planes, shift = [], 0
+    for b in PLANES[bits]:
+        part = (codes >> shift) & ((1 << b) - 1)
+        per_byte = 8 // b
+        runs = part.reshape(*lead, k // RUN, per_byte, RUN // per_byte, n)
+        packed = np.zeros((*lead, k // RUN, RUN // per_byte, n), np.uint8)
+        for s in range(per_byte):
+            packed |= (runs[..., s, :, :] << (s * b)).astype(np.uint8)
+        planes.append(packed.reshape(*lead, k * b // 8, n))
+        shift += b
+    return planes
+
+
+def unpack_planes(
+    planes: tuple[jax.Array, ...],  # uint8 [..., in * b // 8, out] per plane
+    bits: int,
+) -> jax.Array:  # int32 [..., in, out]
+    """The codes of ``pack_planes``, as int32."""
+    codes, shift = None, 0
+    for plane, b in zip(planes, PLANES[bits], strict=True):
+        *lead, rows, n = plane.shape
+        per_byte = 8 // b
+        runs = plane.astype(jnp.int32).reshape(
+            *lead, rows // (RUN // per_byte), 1, RUN // per_byte, n
+        )
+        shifts = (jnp.arange(per_byte, dtype=jnp.int32) * b).reshape(per_byte, 1, 1)
+        part = ((runs >> shifts) & ((1 << b) - 1)).reshape(*lead, rows * per_byte, n)
+        codes = part if codes is None else codes | (part << shift)
+        shift += b
+    return codes

@@ -1,0 +1,159 @@
+"""Host-side operations on ``HostPacked`` weights while a checkpoint loads.
+
+- ``dequantize_host``: float32 values (numpy) for a packed tensor that lands in a float field;
+- ``split_out``: a fused projection (``qkv_proj``) cut along its output axis;
+- ``stack``: per-layer (per-expert) weights stacked into one, even when their types differ.
+
+GGUF files mix types inside one field (a ``Q4_K_M`` file keeps some layers' ``ffn_down`` in Q6_K).
+``stack`` gives such layers one common form: the widest code width, every group array the finest
+group, and neutral factors where a type lacks one (``sc = 1``, ``mn = 0``, ``m = 1`` or ``0``), so
+every layer still dequantizes bit-exactly. The price is memory for the mixed fields only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pallas_kernels.dequant_matmul.formats import HostPacked
+
+_GROUP_ARRAYS = ("d", "sc", "mn", "m")
+
+
+def _groups(a: np.ndarray, groups: int) -> np.ndarray:  # [..., g, out] -> [..., groups, 1, out]
+    if a.shape[-2] != groups:
+        a = np.repeat(a, groups // a.shape[-2], axis=-2)
+    return a[..., :, None, :]
+
+
+def dequantize_host(hp: HostPacked) -> np.ndarray:  # float32 [..., in, out]
+    """The same float32 arithmetic as ``reference.dequantize``, in numpy."""
+    *lead, k, n = hp.codes.shape
+    present = [getattr(hp, name) for name in _GROUP_ARRAYS if getattr(hp, name) is not None]
+    z = hp.z if isinstance(hp.z, np.ndarray) else None
+    groups = max(a.shape[-2] for a in [*present, *([z] if z is not None else [])])
+    q = hp.codes.astype(np.int32).reshape(*lead, groups, k // groups, n)
+    if z is not None:
+        q = q - _groups(np.broadcast_to(z, (*z.shape[:-1], n)), groups).astype(np.int32)
+    elif hp.z:
+        q = q - hp.z
+    scale = _groups(hp.d, groups).astype(np.float32)
+    if hp.sc is not None:
+        scale = scale * _groups(hp.sc, groups).astype(np.float32)
+    out = scale * q.astype(np.float32)
+    if hp.mn is not None:
+        low = _groups(hp.mn, groups).astype(np.float32)
+        if hp.m is not None:
+            low = low * _groups(hp.m, groups).astype(np.float32)
+        out = out - low
+    return out.reshape(*lead, k, n)
+
+
+def _map(hp: HostPacked, fn) -> HostPacked:
+    """``fn`` applied to every array of ``hp`` (a constant ``z`` stays as it is)."""
+    get = lambda a: None if a is None else fn(a)  # noqa: E731
+    return HostPacked(
+        codes=fn(hp.codes),
+        bits=hp.bits,
+        d=fn(hp.d),
+        sc=get(hp.sc),
+        z=hp.z if isinstance(hp.z, int) else fn(hp.z),
+        mn=get(hp.mn),
+        m=get(hp.m),
+    )
+
+
+def take(hp: HostPacked, index) -> HostPacked:
+    """``hp`` indexed on its leading (layer, expert) axes."""
+    return _map(hp, lambda a: a[index])
+
+
+def split_out(hp: HostPacked, sizes: Sequence[int]) -> list[HostPacked]:
+    """Cut ``[..., in, out]`` into pieces of ``sizes`` output channels."""
+    if sum(sizes) != hp.codes.shape[-1]:
+        raise ValueError(f"cannot split {hp.codes.shape[-1]} output channels into {list(sizes)}")
+    cuts = np.cumsum(sizes)[:-1]
+    pieces = []
+    for i in range(len(sizes)):
+
+        def piece(a: np.ndarray, i: int = i) -> np.ndarray:
+            if a.shape[-1] == 1:  # a [..., 1, 1] zero code broadcasts over out
+                return a
+            return np.ascontiguousarray(np.split(a, cuts, axis=-1)[i])
+
+        pieces.append(_map(hp, piece))
+    return pieces
+
+
+def _common(items: Sequence[HostPacked], name: str, neutral: int | None) -> list[np.ndarray] | None:
+    """Each item's group array ``name`` at the finest group count, or None if none has it."""
+    arrays = [getattr(hp, name) for hp in items]
+    if all(a is None for a in arrays):
+        return None
+    groups = max(a.shape[-2] for a in arrays if a is not None)
+    dtype = next(a.dtype for a in arrays if a is not None)
+    out = []
+    for hp, a in zip(items, arrays, strict=True):
+        if a is None:
+            a = np.full((*hp.codes.shape[:-2], groups, hp.codes.shape[-1]), neutral, dtype)
+        out.append(np.repeat(a, groups // a.shape[-2], axis=-2).astype(dtype))
+    return out
+
+
+def _zeros(items: Sequence[HostPacked]) -> np.ndarray | int:
+    """One constant zero code if all items share it, else a stacked array (``[..., 1, 1]`` per
+    item when every item has a constant, its finest groups otherwise)."""
+    if all(isinstance(hp.z, int) for hp in items) and len({hp.z for hp in items}) == 1:
+        return items[0].z
+    arrays = [
+        np.full((*hp.codes.shape[:-2], 1, 1), hp.z, np.uint8) if isinstance(hp.z, int) else hp.z
+        for hp in items
+    ]
+    if all(a.shape[-2:] == (1, 1) for a in arrays):
+        return np.stack(arrays)
+    n = items[0].codes.shape[-1]
+    groups = max(a.shape[-2] for a in arrays)
+    return np.stack(
+        [
+            np.repeat(np.broadcast_to(a, (*a.shape[:-1], n)), groups // a.shape[-2], axis=-2)
+            for a in arrays
+        ]
+    )
+
+
+def stack(items: Sequence[HostPacked]) -> HostPacked:
+    """Stack weights of one shape on a new leading axis, giving mixed types one common form."""
+    shapes = {hp.codes.shape for hp in items}
+    if len(shapes) != 1:
+        raise ValueError(f"cannot stack packed weights of shapes {sorted(shapes)}")
+    has_mn = any(hp.mn is not None for hp in items)
+    has_m = any(hp.m is not None for hp in items)
+    # Where another item has a sub-block minimum, an item whose minimum is the block value alone
+    # (Q4_1) multiplies it by m = 1; an item with no minimum at all gets mn = 0 and m = 0.
+    m_items = [
+        hp if hp.m is not None or not has_m else _with(hp, m=_ones_like_groups(hp, hp.mn))
+        for hp in items
+    ]
+    d = _common(m_items, "d", 0)
+    sc = _common(m_items, "sc", 1)
+    mn = _common(m_items, "mn", 0) if has_mn else None
+    m = _common(m_items, "m", 0) if has_m else None
+    return HostPacked(
+        codes=np.stack([hp.codes for hp in items]),
+        bits=max(hp.bits for hp in items),
+        d=np.stack(d),
+        sc=None if sc is None else np.stack(sc),
+        z=_zeros(items),
+        mn=None if mn is None else np.stack(mn),
+        m=None if m is None else np.stack(m),
+    )
+
+
+def _ones_like_groups(hp: HostPacked, like: np.ndarray | None) -> np.ndarray | None:
+    return None if like is None else np.ones(like.shape, np.uint8)
+
+
+def _with(hp: HostPacked, **fields) -> HostPacked:
+    values = {name: getattr(hp, name) for name in ("codes", "bits", "d", "sc", "z", "mn", "m")}
+    return HostPacked(**(values | fields))

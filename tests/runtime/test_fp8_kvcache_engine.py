@@ -1,0 +1,101 @@
+"""``kv_cache_dtype="fp8"`` through the whole engine on a tiny random Llama: the builder sizes
+and allocates an e4m3 cache with row scales, and greedy decoding through it follows the float
+cache's tokens with log-probabilities close to its own."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.request import SamplingParams
+from tests.models.harness import TINY, save_random_model
+from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog"]
+NEW_TOKENS = 12
+# Weights 5x HF's default spread: a random model at the default has near-tied logits, so any
+# perturbation flips its greedy choices; at 0.1 its choices have margins to compare against.
+INIT_RANGE = 0.1
+
+
+def _generate(engine, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and each one's log-probability, per prompt, all requests at once."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+    async def one(i: int, text: str) -> tuple[list[int], list[float]]:
+        tokens, logprobs = [], []
+        async for delta in engine.generate(engine.tokenizer.encode(text), sampling, f"r{i}"):
+            tokens += delta.token_ids
+            logprobs += [lp.logprob for lp in delta.logprobs]
+        return tokens, logprobs
+
+    async def run_all():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(run_all())
+
+
+def _run(folder: Path, kv_cache_dtype: str):
+    from runtime.builder import build_engine
+
+    config = EngineConfig(
+        model_id=str(folder),
+        max_num_seqs=2,
+        max_model_len=64,
+        kvcache_mem_mb=1,
+        prefill_chunk_size=16,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    engine = build_engine(config)
+    engine.start()
+    try:
+        return engine.runner.cache, _generate(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    hf = {**TINY, "vocab_size": VOCAB_SIZE, "pad_token_id": 0, "bos_token_id": 256}
+    config = transformers.LlamaConfig(**hf, eos_token_id=None, initializer_range=INIT_RANGE)
+    save_random_model(config, folder)
+    save_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_fp8_engine_decodes_close_to_float(tiny_llama: Path) -> None:
+    import jax.numpy as jnp
+
+    float_cache, ref = _run(tiny_llama, "auto")
+    fp8_cache, got = _run(tiny_llama, "fp8")
+    assert float_cache.k.dtype == jnp.float32 and float_cache.k_scales is None
+    assert fp8_cache.k.dtype == jnp.float8_e4m3fn
+    assert fp8_cache.k_scales.shape == fp8_cache.v_scales.shape == fp8_cache.k.shape[:4]
+    # The same 1 MB holds 64 / (16 + 4) = 3.2x the pages: the scales are counted.
+    pages_float, pages_fp8 = float_cache.k.shape[1], fp8_cache.k.shape[1]
+    assert pages_fp8 == pytest.approx(pages_float * 64 / 20, abs=1)
+    for (ref_tokens, ref_lp), (tokens, lp) in zip(ref, got, strict=True):
+        assert len(tokens) == NEW_TOKENS
+        agree = np.mean(np.asarray(tokens) == np.asarray(ref_tokens))
+        assert agree >= 0.75, (tokens, ref_tokens)
+        # Where the histories still agree the logprobs are of the same token after the same
+        # context; e4m3's ~2^-4 rounding moves them by at most ~0.06 here (measured).
+        same = np.cumprod(np.asarray(tokens) == np.asarray(ref_tokens)).astype(bool)
+        np.testing.assert_allclose(np.asarray(lp)[same], np.asarray(ref_lp)[same], atol=0.15)
+
+
+def test_bad_kv_cache_dtype_is_one_line_error() -> None:
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int4'"
+    ):
+        EngineConfig(kv_cache_dtype="int4")
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
