@@ -34,6 +34,12 @@ lint: setup
 bench *ARGS: setup
     {{py}} tools/bench.py {{ARGS}}
 
-# Build llama.cpp's llama-server and llama-bench (the CPU peer) into third_party/.
+# Perplexity on a fixed text, like llama.cpp's llama-perplexity (see tools/perplexity.py --help),
+# e.g. `just perplexity --dtype float32 --peer`.
+perplexity *ARGS: setup
+    {{py}} tools/perplexity.py {{ARGS}}
+
+# Build llama.cpp's llama-server, llama-bench, llama-perplexity and llama-quantize (the CPU peer)
+# into third_party/.
 build-peer:
     bash tools/build_llama_server.sh

@@ -29,6 +29,10 @@ _GGUF_EOS_KEYS = (
 # model emitting invalid UTF-8 forever) is released as U+FFFDs so the window stays bounded.
 _MAX_UNCLEAN_TOKENS = 64
 _LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, NotImplementedError)
+# GGUF pre-tokenizer types that split every digit on its own before the GPT-2 regex (llama.cpp's
+# "\p{N}" step). transformers rebuilds these as plain GPT-2 byte-level tokenizers, which
+# tokenizes whitespace before a digit differently from the model's own tokenizer.
+_GGUF_DIGIT_SPLIT_PRE = frozenset({"smollm"})
 
 
 class TokenizerError(ValueError):
@@ -64,6 +68,8 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except _LOAD_ERRORS as e:
             raise TokenizerError(f"cannot build a tokenizer from {path}: {e}") from e
+        if metadata.get("tokenizer.ggml.pre") in _GGUF_DIGIT_SPLIT_PRE:
+            _split_digits(hf)
         eos = {metadata[k] for k in _GGUF_EOS_KEYS if isinstance(metadata.get(k), int)}
         template = metadata.get("tokenizer.chat_template") or _default_template(hf)
         return cls(hf, _with_hf_eos(eos, hf), template)
@@ -186,6 +192,17 @@ def detect_reasoning_markers(
         if (start in vocab and end in vocab) or (chat_template and end in chat_template):
             return start, end
     return None
+
+
+def _split_digits(hf: Any) -> None:
+    from tokenizers import pre_tokenizers
+
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 def _default_template(hf: Any) -> str | None:

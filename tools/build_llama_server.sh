@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-bench (CPU, Release) as the benchmark peer.
+# Build llama.cpp's llama-server, llama-bench, llama-perplexity and llama-quantize (CPU, Release)
+# as the benchmark and accuracy peer.
 #
 # llama.cpp itself is not on any package registry we can reach, but the llama-cpp-python
 # source distribution on PyPI vendors it under vendor/llama.cpp. This script downloads that
 # sdist (pinned version and SHA-256), unpacks it under third_party/ (git-ignored) and builds
-# only the two tools, statically linked, with the web UI, TLS and every network fetch off.
+# only these tools, statically linked, with the web UI, TLS and every network fetch off.
 #
-# Result: third_party/llama.cpp/bin/llama-server and third_party/llama.cpp/bin/llama-bench.
-# A second run that finds both binaries built from the pinned version does nothing.
+# Result: third_party/llama.cpp/bin/{llama-server,llama-bench,llama-perplexity,llama-quantize}.
+# A second run that finds all binaries built from the pinned version does nothing.
 #
 # Usage: tools/build_llama_server.sh            (run from anywhere; about 20-40 min on 2 cores)
 #   JOBS=4 tools/build_llama_server.sh          (parallel compile jobs, default 2)
@@ -28,7 +29,7 @@ BUILD_DIR="$OUT_DIR/build-$LLAMA_CPP_PYTHON_VERSION"
 BIN_DIR="$OUT_DIR/bin"
 STAMP="$BIN_DIR/.llama-cpp-python-version"
 JOBS="${JOBS:-2}"
-TARGETS=(llama-server llama-bench)
+TARGETS=(llama-server llama-bench llama-perplexity llama-quantize)
 
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
@@ -42,7 +43,7 @@ built_already() {
 
 if built_already; then
     echo "llama.cpp tools from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION already built:"
-    echo "$BIN_DIR/llama-server"
+    printf '%s\n' "${TARGETS[@]/#/$BIN_DIR/}"
     exit 0
 fi
 
@@ -98,4 +99,4 @@ for t in "${TARGETS[@]}"; do
 done
 echo "$LLAMA_CPP_PYTHON_VERSION" >"$STAMP"
 echo "built in $(($(date +%s) - start)) s from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION:"
-echo "$BIN_DIR/llama-server"
+printf '%s\n' "${TARGETS[@]/#/$BIN_DIR/}"

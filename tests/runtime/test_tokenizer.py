@@ -133,6 +133,15 @@ def test_smollm2_encode_decode_like_transformers(
 
 
 @pytest.mark.slow
+def test_smollm2_splits_digits_like_llama_cpp(smollm2: tuple[Tokenizer, object]) -> None:
+    # The GGUF's pre-tokenizer is "smollm": digits are split off before the GPT-2 regex, so
+    # spaces before a digit stay one token. Expected ids are llama.cpp's (llama-server /tokenize).
+    tok, _ = smollm2
+    assert tok.encode("TERMS\n\n  0. Definitions") == [8978, 5247, 39892, 32, 30, 39331]
+    assert tok.encode("in 2007,  12 times") == [254, 216, 34, 32, 32, 39, 28, 256, 33, 34, 1711]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_chat_template_like_transformers(
