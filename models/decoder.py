@@ -123,12 +123,16 @@ class DecoderConfig:
 
 _GLOBAL_FIELDS = ("embed", "final_norm", "final_norm_b", "lm_head", "lm_head_b")
 QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
-# The layers' projections, which all go through ``linear``. Embeddings, the LM head (too wide: see
-# models.layers.linear), norms, biases, routers and expert stacks stay in the run dtype; a
-# quantized checkpoint's tensors for them are dequantized at load.
+# The weights kept packed when a checkpoint is quantized (or ``--isq`` quantizes): the layers'
+# projections and the shared experts', which go through ``linear``, and the routed expert stacks
+# (``models.layers.moe`` gathers or dequantizes them per layer). Embeddings, the LM head (too wide:
+# see models.layers.linear), norms, biases, routers and MLA's kv_b stay in the run dtype; a
+# quantized checkpoint's tensors for them are dequantized at load. ``--isq int8`` covers only
+# the first set.
 _QUANTIZED_FIELDS = frozenset(
     ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
-).union(("s_gate", "s_up", "s_down"))  # the layers' projections, then the shared experts'
+).union(("s_gate", "s_up", "s_down"))
+_PACKED_FIELDS = _QUANTIZED_FIELDS.union(("e_gate", "e_up", "e_down"))
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -208,7 +212,7 @@ def load(
     first_layer = dict.fromkeys(moe_fields, cfg.first_moe_layer)
     # int8 quantizes float weights on the device (``device`` below): packed ones come dequantized.
     packing = Packing(
-        fields=frozenset() if cfg.quantization == "int8" else _QUANTIZED_FIELDS & shapes.keys(),
+        fields=frozenset() if cfg.quantization == "int8" else _PACKED_FIELDS & shapes.keys(),
         quantize=packer(cfg.quantization) if cfg.quantization in ISQ_TYPES else None,
     )
     host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer, packing)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.dequant_matmul import PackedWeight, dequant_matmul
+from pallas_kernels.dequant_matmul import PackedWeight, dequant_matmul, dequantize
 
 
 @struct.dataclass
@@ -63,3 +63,14 @@ def linear(
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+def dense(
+    weight: jax.Array | PackedWeight,  # [..., in, out]
+    dtype: jnp.dtype,
+) -> jax.Array:  # [..., in, out] in dtype
+    """A weight's values as a plain array, for the few places that index or group weights
+    themselves instead of calling ``linear`` (MoE expert stacks)."""
+    if isinstance(weight, PackedWeight):
+        return dequantize(weight).astype(dtype)
+    return weight.astype(dtype)

@@ -42,7 +42,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from models.layers.linear import linear
+from models.layers.linear import dense, linear
+from pallas_kernels.dequant_matmul import PackedWeight
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -186,16 +187,17 @@ def _kept_groups(
 def experts_gathered(
     x: jax.Array,  # [num_tokens, hidden]
     experts: jax.Array,  # [num_tokens, top_k] int32
-    e_gate: jax.Array,  # [num_experts, hidden, expert_inter]
-    e_up: jax.Array,  # [num_experts, hidden, expert_inter]
-    e_down: jax.Array,  # [num_experts, expert_inter, hidden]
+    e_gate: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
+    e_up: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
+    e_down: jax.Array | PackedWeight,  # [num_experts, expert_inter, hidden]
     activation: str = "silu",
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Each chosen expert's MLP output per (token, slot), from gathered expert weights."""
     act = _ACTIVATIONS[activation]
 
-    def proj(spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
-        w = jnp.take(w, experts, axis=0).astype(x.dtype)
+    def proj(spec: str, a: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+        # A packed stack gathers the chosen experts' codes and scales, then dequantizes them.
+        w = dense(jax.tree_util.tree_map(lambda t: jnp.take(t, experts, axis=0), w), x.dtype)
         return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
     h = act(proj("th,tkhi->tki", x, e_gate)) * proj("th,tkhi->tki", x, e_up)
@@ -205,9 +207,9 @@ def experts_gathered(
 def experts_grouped(
     x: jax.Array,  # [num_tokens, hidden]
     experts: jax.Array,  # [num_tokens, top_k] int32
-    e_gate: jax.Array,  # [num_experts, hidden, expert_inter]
-    e_up: jax.Array,  # [num_experts, hidden, expert_inter]
-    e_down: jax.Array,  # [num_experts, expert_inter, hidden]
+    e_gate: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
+    e_up: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
+    e_down: jax.Array | PackedWeight,  # [num_experts, expert_inter, hidden]
     activation: str = "silu",
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Same contract as ``experts_gathered``, as a grouped matmul over rows sorted by expert."""
@@ -218,9 +220,10 @@ def experts_grouped(
     group_sizes = jnp.bincount(flat, length=e_gate.shape[0]).astype(jnp.int32)
     rows = x[order // top_k]  # [num_tokens * top_k, hidden], expert-contiguous
 
-    def proj(a: jax.Array, w: jax.Array) -> jax.Array:
+    def proj(a: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+        # A packed stack is dequantized whole here, one layer at a time (inside the scan).
         y = jax.lax.ragged_dot(
-            a, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
+            a, dense(w, x.dtype), group_sizes, preferred_element_type=jnp.float32
         )
         return y.astype(x.dtype)
 
