@@ -149,3 +149,40 @@ def unpack_planes(
         codes = part if codes is None else codes | (part << shift)
         shift += b
     return codes
+
+
+def evaluate(
+    xp,  # numpy or jax.numpy
+    q,  # int32 [..., in, out] codes
+    d,  # float16 [..., in // gd, out]
+    sc=None,  # int [..., in // gs, out]
+    z=None,  # uint8 [..., in // gz, out] or [..., 1, 1]
+    zero: int = 0,  # the zero code when ``z`` is None
+    mn=None,  # float16 [..., in // gm, out]
+    m=None,  # int [..., in // gm', out]
+):  # float32 [..., in, out]
+    """The module docstring's formula in float32, with ``xp`` arrays: the one definition that
+    the device reference, the kernel's tiles and the host loader all evaluate."""
+    *lead, k, n = q.shape
+    groups = max(a.shape[-2] for a in (d, sc, z, mn, m) if a is not None)
+
+    def per_group(a):  # [..., g, out] -> [..., groups, 1, out] (or a broadcastable 1)
+        if a.shape[-2] not in (1, groups):
+            a = xp.repeat(a, groups // a.shape[-2], axis=-2)
+        return a[..., :, None, :]
+
+    q = q.reshape(*lead, groups, k // groups, n)
+    if z is not None:
+        q = q - per_group(z).astype(xp.int32)
+    elif zero:
+        q = q - zero
+    scale = per_group(d).astype(xp.float32)
+    if sc is not None:
+        scale = scale * per_group(sc).astype(xp.float32)
+    out = scale * q.astype(xp.float32)
+    if mn is not None:
+        low = per_group(mn).astype(xp.float32)
+        if m is not None:
+            low = low * per_group(m).astype(xp.float32)
+        out = out - low
+    return out.reshape(*lead, k, n)

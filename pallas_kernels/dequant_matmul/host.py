@@ -16,38 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pallas_kernels.dequant_matmul.formats import HostPacked
-
-_GROUP_ARRAYS = ("d", "sc", "mn", "m")
-
-
-def _groups(a: np.ndarray, groups: int) -> np.ndarray:  # [..., g, out] -> [..., groups, 1, out]
-    if a.shape[-2] != groups:
-        a = np.repeat(a, groups // a.shape[-2], axis=-2)
-    return a[..., :, None, :]
+from pallas_kernels.dequant_matmul.formats import HostPacked, evaluate
 
 
 def dequantize_host(hp: HostPacked) -> np.ndarray:  # float32 [..., in, out]
     """The same float32 arithmetic as ``reference.dequantize``, in numpy."""
-    *lead, k, n = hp.codes.shape
-    present = [getattr(hp, name) for name in _GROUP_ARRAYS if getattr(hp, name) is not None]
-    z = hp.z if isinstance(hp.z, np.ndarray) else None
-    groups = max(a.shape[-2] for a in [*present, *([z] if z is not None else [])])
-    q = hp.codes.astype(np.int32).reshape(*lead, groups, k // groups, n)
-    if z is not None:
-        q = q - _groups(np.broadcast_to(z, (*z.shape[:-1], n)), groups).astype(np.int32)
-    elif hp.z:
-        q = q - hp.z
-    scale = _groups(hp.d, groups).astype(np.float32)
-    if hp.sc is not None:
-        scale = scale * _groups(hp.sc, groups).astype(np.float32)
-    out = scale * q.astype(np.float32)
-    if hp.mn is not None:
-        low = _groups(hp.mn, groups).astype(np.float32)
-        if hp.m is not None:
-            low = low * _groups(hp.m, groups).astype(np.float32)
-        out = out - low
-    return out.reshape(*lead, k, n)
+    constant = isinstance(hp.z, int)
+    z, zero = (None, hp.z) if constant else (hp.z, 0)
+    return evaluate(np, hp.codes.astype(np.int32), hp.d, hp.sc, z, zero, hp.mn, hp.m)
 
 
 def _map(hp: HostPacked, fn) -> HostPacked:
