@@ -37,7 +37,6 @@ from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from models.layers.norms import NormConfig, apply_norm
 from models.weights import Packing, WeightRule, load_host_weights
 from pallas_kernels.dequant_matmul import HostPacked
-from pallas_kernels.dequant_matmul.host import take
 from pallas_kernels.paged_attention import KVCache, kv_cache_shape
 
 
@@ -241,8 +240,7 @@ def load(
             if name in own:
                 seg[name] = device(name, array)
             elif name not in dense_fields and name not in moe_fields:
-                part = take(array, slice(start, end)) if isinstance(array, HostPacked) else None
-                seg[name] = device(name, array[start:end] if part is None else part)
+                seg[name] = device(name, array[start:end])
     return weights
 
 

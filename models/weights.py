@@ -213,15 +213,9 @@ def _split(
 
 
 def _store(key: str, target: np.ndarray, index: tuple[int, ...], value: np.ndarray) -> None:
-    for axis, i in enumerate(index):
-        if not 0 <= i < target.shape[0]:
-            raise WeightLoadError(f"checkpoint key {key!r}: index {i} on axis {axis} out of range")
-        target = target[i]
-    if value.shape != target.shape:
-        raise WeightLoadError(
-            f"checkpoint key {key!r} has shape {tuple(value.shape)}, expected {target.shape}"
-        )
-    target[...] = value
+    _check_index(key, target.shape, index)
+    _check_shape(key, target[index].shape, value.shape)
+    target[index] = value
 
 
 def _find_rule(rules: Sequence[WeightRule], key: str) -> tuple[WeightRule, re.Match[str]]:

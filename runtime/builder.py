@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from models.registry import model_config_from_hf
+from models.registry import ModelSpec, model_config_from_hf
 from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
@@ -58,8 +59,22 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
     return Tokenizer.from_pretrained_dir(files.path)
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model as ``runtime-serve`` loads it: files, architecture, weights and tokenizer."""
+
+    files: ModelFiles
+    spec: ModelSpec
+    config: Any  # the architecture's model config, with ``--isq`` applied
+    weights: Any
+    tokenizer: Tokenizer
+    dtype: jnp.dtype  # the run dtype ("auto" resolved)
+
+
+def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
+    """Model and tokenizer from ``config.model_id`` with its ``dtype`` and ``isq``. A checkpoint's
+    quantized tensors (GGUF blocks, GPTQ, AWQ) stay packed unless ``packed`` is False, which
+    loads them as ``dtype`` floats."""
     enable_compilation_cache(cache_root() / "xla")
     files = resolve_model_source(config.model_id, config.weight_file)
     checkpoint = load_checkpoint(files)
@@ -69,9 +84,16 @@ def build_engine(config: EngineConfig) -> Engine:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
-    weights = spec.load(
-        model_config, checkpoint.tensors(packed=True), dtype, checkpoint.num_tensors
-    )
+    tensors = checkpoint.tensors(packed=packed)
+    weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
+    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype)
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
+    model = load_model(config)
+    files, spec, model_config = model.files, model.spec, model.config
+    weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)

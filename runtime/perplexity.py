@@ -31,7 +31,6 @@ bytes pinned by SHA-256 below.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -46,10 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.registry import ModelSpec, model_config_from_hf
-from runtime.builder import enable_compilation_cache, load_checkpoint, load_tokenizer, resolve_dtype
+from runtime import builder
+from runtime.builder import LoadedModel
 from runtime.config import EngineConfig
-from runtime.sources import ModelFiles, cache_root, resolve_model_source
 from runtime.tokenizer import Tokenizer
 
 REFERENCE_TEXT_NAME = "GNU GPL v3 terms"
@@ -80,18 +78,6 @@ class PerplexityResult:
     running_ppl: tuple[float, ...]
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model loaded the way ``runtime-serve`` loads it, without the KV cache and scheduler."""
-
-    files: ModelFiles
-    spec: ModelSpec
-    config: Any
-    weights: Any
-    tokenizer: Tokenizer
-    dtype: str  # the run dtype ("auto" resolved)
-
-
 def reference_text() -> str:
     """The pinned default text (see the module docstring); PerplexityError when no source on
     this machine holds its exact bytes."""
@@ -120,22 +106,14 @@ def text_sha256(text: str) -> str:
 
 
 def load_model(config: EngineConfig, dequantize: bool = False) -> LoadedModel:
-    """Model and tokenizer from ``config.model_id`` with its ``dtype`` and ``isq``, as
-    ``runtime.builder.build_engine`` loads them: a checkpoint's quantized tensors (GGUF blocks,
-    GPTQ, AWQ) stay packed, unless ``dequantize`` asks for them as ``dtype`` floats."""
-    enable_compilation_cache(cache_root() / "xla")
-    files = resolve_model_source(config.model_id, config.weight_file)
-    checkpoint = load_checkpoint(files)
-    spec, model_config = model_config_from_hf(checkpoint.config)
-    if spec.hidden_states is None or spec.lm_head is None:
-        raise PerplexityError(f"{spec.hf_architecture} has no cache-free forward to score text")
-    if config.isq is not None:
-        model_config = dataclasses.replace(model_config, quantization=config.isq)
-    tokenizer = load_tokenizer(files)
-    dtype = resolve_dtype(config.dtype)
-    tensors = checkpoint.tensors(packed=not dequantize)
-    weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
-    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype.name)
+    """``runtime.builder.load_model`` (quantized tensors packed unless ``dequantize``), for an
+    architecture with a cache-free forward to score text with."""
+    model = builder.load_model(config, packed=not dequantize)
+    if model.spec.hidden_states is None or model.spec.lm_head is None:
+        raise PerplexityError(
+            f"{model.spec.hf_architecture} has no cache-free forward to score text"
+        )
+    return model
 
 
 def adds_bos(tokenizer: Tokenizer) -> bool:

@@ -194,7 +194,7 @@ def _ours(args: argparse.Namespace, text: str) -> tuple[dict, LoadedModel]:
     )
     ours = {
         **dataclasses.asdict(result),
-        "dtype": model.dtype,
+        "dtype": model.dtype.name,
         "load_seconds": load_seconds,
         "compile_seconds": compile_seconds,
         "eval_seconds": eval_seconds,

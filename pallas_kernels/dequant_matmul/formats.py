@@ -37,6 +37,7 @@ unpick them), Q6_K 6.5625.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -92,6 +93,18 @@ class HostPacked:
     z: np.ndarray | int = 0  # uint8 group array, or the format's constant
     mn: np.ndarray | None = None  # float16
     m: np.ndarray | None = None  # uint8
+
+    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> HostPacked:
+        """``fn`` applied to every array (a constant ``z`` stays as it is)."""
+        get = lambda a: None if a is None else fn(a)  # noqa: E731
+        z = self.z if isinstance(self.z, int) else fn(self.z)
+        return HostPacked(
+            fn(self.codes), self.bits, fn(self.d), get(self.sc), z, get(self.mn), get(self.m)
+        )
+
+    def __getitem__(self, index) -> HostPacked:
+        """Indexed on the leading (layer, expert) axes, like the float array it stands for."""
+        return self.map(lambda a: a[index])
 
     def to_device(self) -> PackedWeight:
         """Pack the codes into bit planes and move every array to the default device."""

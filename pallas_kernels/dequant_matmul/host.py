@@ -13,6 +13,7 @@ every layer still dequantizes bit-exactly. The price is memory for the mixed fie
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,25 +25,6 @@ def dequantize_host(hp: HostPacked) -> np.ndarray:  # float32 [..., in, out]
     constant = isinstance(hp.z, int)
     z, zero = (None, hp.z) if constant else (hp.z, 0)
     return evaluate(np, hp.codes.astype(np.int32), hp.d, hp.sc, z, zero, hp.mn, hp.m)
-
-
-def _map(hp: HostPacked, fn) -> HostPacked:
-    """``fn`` applied to every array of ``hp`` (a constant ``z`` stays as it is)."""
-    get = lambda a: None if a is None else fn(a)  # noqa: E731
-    return HostPacked(
-        codes=fn(hp.codes),
-        bits=hp.bits,
-        d=fn(hp.d),
-        sc=get(hp.sc),
-        z=hp.z if isinstance(hp.z, int) else fn(hp.z),
-        mn=get(hp.mn),
-        m=get(hp.m),
-    )
-
-
-def take(hp: HostPacked, index) -> HostPacked:
-    """``hp`` indexed on its leading (layer, expert) axes."""
-    return _map(hp, lambda a: a[index])
 
 
 def split_out(hp: HostPacked, sizes: Sequence[int]) -> list[HostPacked]:
@@ -58,12 +40,13 @@ def split_out(hp: HostPacked, sizes: Sequence[int]) -> list[HostPacked]:
                 return a
             return np.ascontiguousarray(np.split(a, cuts, axis=-1)[i])
 
-        pieces.append(_map(hp, piece))
+        pieces.append(hp.map(piece))
     return pieces
 
 
-def _common(items: Sequence[HostPacked], name: str, neutral: int | None) -> list[np.ndarray] | None:
-    """Each item's group array ``name`` at the finest group count, or None if none has it."""
+def _common(items: Sequence[HostPacked], name: str, neutral: int) -> np.ndarray | None:
+    """The items' group arrays ``name`` at the finest group count, stacked (``neutral`` where an
+    item lacks it), or None if none has it."""
     arrays = [getattr(hp, name) for hp in items]
     if all(a is None for a in arrays):
         return None
@@ -74,7 +57,7 @@ def _common(items: Sequence[HostPacked], name: str, neutral: int | None) -> list
         if a is None:
             a = np.full((*hp.codes.shape[:-2], groups, hp.codes.shape[-1]), neutral, dtype)
         out.append(np.repeat(a, groups // a.shape[-2], axis=-2).astype(dtype))
-    return out
+    return np.stack(out)
 
 
 def _zeros(items: Sequence[HostPacked]) -> np.ndarray | int:
@@ -103,33 +86,21 @@ def stack(items: Sequence[HostPacked]) -> HostPacked:
     shapes = {hp.codes.shape for hp in items}
     if len(shapes) != 1:
         raise ValueError(f"cannot stack packed weights of shapes {sorted(shapes)}")
-    has_mn = any(hp.mn is not None for hp in items)
-    has_m = any(hp.m is not None for hp in items)
     # Where another item has a sub-block minimum, an item whose minimum is the block value alone
     # (Q4_1) multiplies it by m = 1; an item with no minimum at all gets mn = 0 and m = 0.
-    m_items = [
-        hp if hp.m is not None or not has_m else _with(hp, m=_ones_like_groups(hp, hp.mn))
-        for hp in items
-    ]
-    d = _common(m_items, "d", 0)
-    sc = _common(m_items, "sc", 1)
-    mn = _common(m_items, "mn", 0) if has_mn else None
-    m = _common(m_items, "m", 0) if has_m else None
+    if any(hp.m is not None for hp in items):
+        items = [
+            replace(hp, m=np.ones(hp.mn.shape, np.uint8))
+            if hp.m is None and hp.mn is not None
+            else hp
+            for hp in items
+        ]
     return HostPacked(
         codes=np.stack([hp.codes for hp in items]),
         bits=max(hp.bits for hp in items),
-        d=np.stack(d),
-        sc=None if sc is None else np.stack(sc),
+        d=_common(items, "d", 0),
+        sc=_common(items, "sc", 1),
         z=_zeros(items),
-        mn=None if mn is None else np.stack(mn),
-        m=None if m is None else np.stack(m),
+        mn=_common(items, "mn", 0),
+        m=_common(items, "m", 0),
     )
-
-
-def _ones_like_groups(hp: HostPacked, like: np.ndarray | None) -> np.ndarray | None:
-    return None if like is None else np.ones(like.shape, np.uint8)
-
-
-def _with(hp: HostPacked, **fields) -> HostPacked:
-    values = {name: getattr(hp, name) for name in ("codes", "bits", "d", "sc", "z", "mn", "m")}
-    return HostPacked(**(values | fields))

@@ -58,7 +58,7 @@ def _bos_adding(model: LoadedModel) -> LoadedModel:
         single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)]
     )
     tokenizer = Tokenizer(hf, model.tokenizer.eos_token_ids, None)
-    return LoadedModel(model.files, model.spec, model.config, model.weights, tokenizer, "float32")
+    return LoadedModel(model.files, model.spec, model.config, model.weights, tokenizer, model.dtype)
 
 
 def _hf_nll(hf_model, tokens: list[int], bos: int | None) -> np.ndarray:  # [chunks, scored]
