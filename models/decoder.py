@@ -131,7 +131,7 @@ QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
 _QUANTIZED_FIELDS = frozenset(
     ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
 ).union(("s_gate", "s_up", "s_down"))
-_PACKED_FIELDS = _QUANTIZED_FIELDS.union(("e_gate", "e_up", "e_down"))
+PACKED_FIELDS = _QUANTIZED_FIELDS.union(("e_gate", "e_up", "e_down"))
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -211,7 +211,7 @@ def load(
     first_layer = dict.fromkeys(moe_fields, cfg.first_moe_layer)
     # int8 quantizes float weights on the device (``device`` below): packed ones come dequantized.
     packing = Packing(
-        fields=frozenset() if cfg.quantization == "int8" else _PACKED_FIELDS & shapes.keys(),
+        fields=frozenset() if cfg.quantization == "int8" else PACKED_FIELDS & shapes.keys(),
         quantize=packer(cfg.quantization) if cfg.quantization in ISQ_TYPES else None,
     )
     host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer, packing)

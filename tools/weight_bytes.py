@@ -17,6 +17,7 @@ import sys
 import jax
 import numpy as np
 
+from models.decoder import PACKED_FIELDS
 from models.isq import ISQ_TYPES
 from models.registry import model_config_from_hf
 from pallas_kernels.dequant_matmul import PackedWeight
@@ -29,12 +30,12 @@ def _bytes(tree: object) -> int:
 
 
 def _projection_stats(weights: dict) -> tuple[int, int]:
-    """(device bytes, weights) of every packed projection."""
+    """(device bytes, weights) of the fields a quantized model keeps packed, packed or not."""
     nbytes = count = 0
     for segment in weights["segments"]:
-        for value in segment.values():
-            if isinstance(value, PackedWeight):
-                nbytes += value.nbytes
+        for name, value in segment.items():
+            if name in PACKED_FIELDS:
+                nbytes += value.nbytes if isinstance(value, PackedWeight) else _bytes(value)
                 count += int(np.prod(value.shape))
     return nbytes, count
 
@@ -44,8 +45,9 @@ def main() -> int:
     parser.add_argument("--model-id", default="smollm2-135m-instruct")
     parser.add_argument(
         "--isq",
-        default="none," + ",".join(ISQ_TYPES),
-        help="comma-separated formats; none = the checkpoint as it is (default: all)",
+        default="float,none," + ",".join(ISQ_TYPES),
+        help="comma-separated formats; none = the checkpoint as it is, float = its quantized "
+        "tensors dequantized at load (default: all)",
     )
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
@@ -54,16 +56,17 @@ def main() -> int:
     spec, base = model_config_from_hf(checkpoint.config)
     dtype = resolve_dtype(args.dtype)
     print(f"{files.name}: device bytes of the weights ({dtype.name} for the float ones)")
-    print(f"{'format':>8} {'packed MB':>10} {'bits/weight':>12} {'model MB':>9}")
+    print(f"{'format':>8} {'projections MB':>14} {'bits/weight':>12} {'model MB':>9}")
     for name in args.isq.split(","):
-        if name != "none" and name not in ISQ_TYPES:
+        if name not in ("float", "none", *ISQ_TYPES):
             print(f"weight_bytes: unknown format {name!r}", file=sys.stderr)
             return 2
-        config = dataclasses.replace(base, quantization=None if name == "none" else name)
-        weights = spec.load(config, checkpoint.tensors(packed=True), dtype, checkpoint.num_tensors)
+        config = dataclasses.replace(base, quantization=name if name in ISQ_TYPES else None)
+        tensors = checkpoint.tensors(packed=name != "float")
+        weights = spec.load(config, tensors, dtype, checkpoint.num_tensors)
         nbytes, count = _projection_stats(weights)
         bits = f"{nbytes * 8 / count:.3f}" if count else "-"
-        print(f"{name:>8} {nbytes / 1e6:>10.1f} {bits:>12} {_bytes(weights) / 1e6:>9.1f}")
+        print(f"{name:>8} {nbytes / 1e6:>14.1f} {bits:>12} {_bytes(weights) / 1e6:>9.1f}")
         del weights
     return 0
 
