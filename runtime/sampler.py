@@ -82,7 +82,7 @@ def empty_sampling_metadata(num_seqs: int) -> SamplingMetadata:
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` ([num_seqs, vocab], float32)."""
     processed = apply_bias(apply_penalties(logits, meta), meta)
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy = _first_index(processed == jnp.max(processed, axis=-1, keepdims=True))
     all_greedy = jnp.all(meta.temperature == 0.0)
     # The sort over the vocabulary is skipped entirely when every sequence is greedy.
     sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_filtered(processed, meta))
@@ -145,23 +145,89 @@ def _with_logprobs(processed: jax.Array, tokens: jax.Array, wants: jax.Array) ->
 
 
 def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    vocab = logits.shape[-1]
+    """Temperature, then top-k, top-p and min-p, then one draw; no sort over the vocabulary.
+
+    Each row's weights ``w = exp(scaled - max)`` lie in (0, 1], so every filter is a threshold
+    on them: a token is kept when ``w >= cut``. The cut for top-k and top-p, and the draw, are
+    found by bisection over the float values (``_largest``); each pass reads the row once and
+    the answer is one of the row's own values, exactly as a sort would give it (tokens with equal
+    weights are kept or dropped together, and the draw takes the lowest id among them).
+    A sort of [16, 49152] took 175 ms on a 2-core CPU; the two bisections take a few.
+    """
+    num_seqs, vocab = logits.shape
     temperature = jnp.where(meta.temperature > 0.0, meta.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [num_seqs, vocab] token ids, most likely first
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    top_k = jnp.where(meta.top_k > 0, meta.top_k, vocab)
-    keep = rank < top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < meta.top_p[:, None]
-    # min-p: drop tokens less likely than min_p times the most likely one (log(0) keeps all).
-    keep &= sorted_logits >= sorted_logits[:, :1] + jnp.log(meta.min_p)[:, None]
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    w = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the most likely is 1.0
+    top_k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
+    # top-k and top-p keep a prefix of the sorted row; the shorter prefix wins: the largest cut
+    # that still keeps k tokens or reaches the mass.
+    target = meta.top_p * jnp.sum(w, axis=-1)
+    cut = jax.lax.cond(
+        jnp.any((top_k < vocab) | (meta.top_p < 1.0)),
+        lambda: _largest(w, jnp.zeros(num_seqs), lambda n, mass: (n >= top_k) | (mass >= target)),
+        lambda: jnp.zeros(num_seqs),
+    )
+    cut = jnp.maximum(cut, meta.min_p)  # min-p: w >= min_p * 1.0
+    kept_mass = jnp.sum(jnp.where(w >= cut[:, None], w, 0.0), axis=-1)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
         meta.seeds, meta.output_index
     )
-    choice = jax.vmap(jax.random.categorical)(keys, filtered)  # index into the sorted order
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    u = jax.vmap(jax.random.uniform)(keys) * kept_mass
+    # The inverse CDF in descending order: the first token whose running mass passes u.
+    chosen = _largest(w, cut, lambda count, mass: mass > u)
+    tied = w == chosen[:, None]
+    num_tied = jnp.sum(tied, axis=-1)
+    # Equal weights share the interval of u that landed on them: u's place in it picks one.
+    above = jnp.sum(jnp.where(w > chosen[:, None], w, 0.0), axis=-1)
+    nth = jnp.clip(((u - above) / chosen).astype(jnp.int32), 0, num_tied - 1)
+    return jax.lax.cond(
+        jnp.any(num_tied > 1), lambda: _nth_index(tied, nth), lambda: _first_index(tied)
+    )
+
+
+def _largest(w: jax.Array, lo: jax.Array, holds) -> jax.Array:  # [num_seqs] float32
+    """Per row, the largest value ``c`` in ``[lo, 1]`` for which ``holds(count, mass)`` is true,
+    where ``count`` and ``mass`` are the number and the sum of the row's weights ``>= c``.
+
+    ``holds`` must be true at ``lo`` and turn false only once as ``c`` grows, so the answer is
+    one of the weights (or ``lo``). Non-negative floats order as their bit patterns, so the
+    search runs over those: 31 halvings cover every float in [0, 1].
+    """
+    lo = jax.lax.bitcast_convert_type(lo.astype(jnp.float32), jnp.uint32)
+    hi = jnp.full_like(lo, 0x3F800000)  # 1.0
+    one = jnp.uint32(1)
+
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo + one) // 2
+        c = jax.lax.bitcast_convert_type(mid, jnp.float32)[:, None]
+        above = w >= c
+        ok = holds(jnp.sum(above, axis=-1), jnp.sum(jnp.where(above, w, 0.0), axis=-1))
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - one)
+
+    lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _nth_index(mask: jax.Array, nth: jax.Array) -> jax.Array:  # [num_seqs] int32
+    """Per row, the column of the ``nth`` true entry of ``mask`` (counting from 0), found by
+    bisection over the columns: the smallest column with ``nth + 1`` true entries up to it."""
+    columns = jnp.arange(mask.shape[-1], dtype=jnp.int32)
+    lo = jnp.zeros(mask.shape[0], jnp.int32)
+    hi = jnp.full(mask.shape[0], mask.shape[-1] - 1, jnp.int32)
+
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        enough = jnp.sum(mask & (columns <= mid[:, None]), axis=-1) > nth
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, max(1, (mask.shape[-1] - 1).bit_length()), halve, (lo, hi))
+    return lo
+
+
+def _first_index(mask: jax.Array) -> jax.Array:  # [num_seqs] int32
+    """The lowest column where ``mask`` is true (a min-reduction, cheaper than ``argmax`` on
+    XLA:CPU)."""
+    columns = jnp.arange(mask.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(mask, columns, mask.shape[-1]), axis=-1)

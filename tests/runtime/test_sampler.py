@@ -1,5 +1,6 @@
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from runtime.sampler import empty_sampling_metadata
 from runtime.sampler import sample as sample_output
@@ -56,3 +57,53 @@ def test_mixed_batch_greedy_rows_stay_greedy():
     m = m.replace(temperature=jnp.asarray([0, 1, 0, 1, 0, 1, 0, 1], jnp.float32))
     out = np.asarray(sample(logits, m))
     assert np.array_equal(out[::2], np.argmax(logits, -1)[::2])
+
+
+def filtered_distribution(logits, temperature, top_k, top_p, min_p):
+    """The distribution a sort-based sampler draws from (numpy, one row)."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    keep = np.ones(len(order), bool)
+    if top_k > 0:
+        keep &= np.arange(len(order)) < top_k
+    keep &= np.cumsum(probs) - probs < top_p
+    keep &= probs >= min_p * probs[0]
+    out = np.zeros(len(order))
+    out[order[keep]] = probs[keep] / probs[keep].sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 0.8, 0.0),
+        (1.3, 4, 1.0, 0.0),
+        (1.0, 5, 0.7, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (2.0, 6, 0.9, 0.05),
+    ],
+)
+def test_filtered_sampling_matches_the_sorted_reference(temperature, top_k, top_p, min_p):
+    rng = np.random.default_rng(7)
+    row = rng.standard_normal(12).astype(np.float32) * 2
+    n = 6000
+    m = meta(n, temperature, top_k, top_p, seeds=np.arange(n))
+    m.min_p[:] = min_p
+    out = np.asarray(sample(jnp.asarray(np.tile(row, (n, 1))), m))
+    expected = filtered_distribution(row, temperature, top_k, top_p, min_p)
+    assert set(out) <= set(np.flatnonzero(expected))
+    np.testing.assert_allclose(np.bincount(out, minlength=12) / n, expected, atol=0.025)
+
+
+def test_tokens_with_equal_logits_share_their_mass():
+    logits = jnp.asarray([[1.0, 2.0, 2.0, 2.0, 0.0]] * 3000, jnp.float32)
+    out = np.asarray(sample(logits, meta(3000, temperature=1.0, seeds=np.arange(3000))))
+    expected = np.exp([1.0, 2.0, 2.0, 2.0, 0.0])
+    expected /= expected.sum()
+    np.testing.assert_allclose(np.bincount(out, minlength=5) / 3000, expected, atol=0.03)
+    # top_k 2 keeps the three tied top tokens (a threshold keeps ties together).
+    out = np.asarray(sample(logits, meta(3000, temperature=1.0, top_k=2, seeds=np.arange(3000))))
+    assert set(out) == {1, 2, 3}
