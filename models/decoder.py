@@ -30,7 +30,7 @@ from models.layers.attention import (
     paged_self_attention,
 )
 from models.layers.causal_attention import causal_self_attention
-from models.layers.linear import linear, quantize_int8
+from models.layers.linear import OPERAND_DTYPES, linear, quantize_int8
 from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
 from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
@@ -68,6 +68,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
+    operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -82,6 +83,10 @@ class DecoderConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                 f"got {self.quantization!r}"
+            )
+        if self.operand_dtype not in OPERAND_DTYPES:
+            raise ValueError(
+                f"operand_dtype must be one of {OPERAND_DTYPES}, got {self.operand_dtype!r}"
             )
         if not 0 <= self.first_moe_layer <= self.num_layers:
             raise ValueError(f"first_moe_layer {self.first_moe_layer} is not a layer index")
@@ -224,9 +229,9 @@ def load(
     # Each host array is dropped once it is on the device, so host memory peaks near one copy.
     def device(name: str, array: np.ndarray | HostPacked) -> Any:
         if isinstance(array, HostPacked):
-            return array.to_device()
+            return array.to_device(cfg.operand_dtype)
         if cfg.quantization == "int8" and name in _QUANTIZED_FIELDS:
-            return quantize_int8(array)
+            return quantize_int8(array, cfg.operand_dtype)
         return jnp.asarray(array)
 
     for name in list(host):

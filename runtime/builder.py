@@ -82,6 +82,8 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     spec, model_config = model_config_from_hf(checkpoint.config)
     if config.isq is not None:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
+    if config.matmul_dtype != "auto":
+        model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)

@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GGUF block types (the same packed weights a GGUF file of that type gives) and per-channel int8.
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8*: e4m3 + row scales
+MATMUL_DTYPES = ("auto", "bfloat16")  # quantized projections' operands; auto: the model dtype
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,9 @@ class EngineConfig:
     dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
     compute-bound, and 8 on accelerators, where dispatch dominates small models.
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
-    token and KV head; "auto" stores them in the model dtype.
+    token and KV head; "auto" stores them in the model dtype. matmul_dtype "bfloat16" multiplies
+    quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
+    models.layers.linear); "auto" multiplies in the model dtype.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -41,6 +44,7 @@ class EngineConfig:
         None  # in-situ quantization at load: a GGUF block type or "int8" (ISQ_CHOICES)
     )
     kv_cache_dtype: str = "auto"
+    matmul_dtype: str = "auto"
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +66,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(
+                f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}"
             )
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")

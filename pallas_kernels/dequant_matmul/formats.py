@@ -65,6 +65,9 @@ class PackedWeight:
     m: jax.Array | None = None  # uint8 [..., in // gm', out]
     bits: int = struct.field(pytree_node=False, default=4)
     zero: int = struct.field(pytree_node=False, default=0)
+    # The dtype callers round activations to before ``dequant_matmul`` (which rounds the weight
+    # to the activations' dtype); None keeps the activations' own dtype.
+    operand_dtype: str | None = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,7 +109,7 @@ class HostPacked:
         """Indexed on the leading (layer, expert) axes, like the float array it stands for."""
         return self.map(lambda a: a[index])
 
-    def to_device(self) -> PackedWeight:
+    def to_device(self, operand_dtype: str | None = None) -> PackedWeight:
         """Pack the codes into bit planes and move every array to the default device."""
         put = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
         constant = isinstance(self.z, int)
@@ -119,6 +122,7 @@ class HostPacked:
             m=put(self.m),
             bits=self.bits,
             zero=self.z if constant else 0,
+            operand_dtype=operand_dtype,
         )
 
 

@@ -1,8 +1,8 @@
 """Pure-jnp dequantization and dequant-matmul: the numerical reference, and the CPU path.
 
 ``dequantize`` evaluates the formula of ``formats`` in float32. ``dequant_matmul`` has the
-kernel's signature; it multiplies without a float copy of the weight when there are few rows
-(decode), and dequantizes then calls one dot otherwise (see ``ops``).
+kernel's signature and contract: the weight is rounded to ``x``'s dtype and the products are
+summed in float32. It dequantizes the matrix, then calls one dot (see ``ops``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,29 @@ def dequantize(w: PackedWeight) -> jax.Array:  # float32 [..., in, out]
 
 
 def dequant_matmul(
-    x: jax.Array,  # [num_tokens, in]
+    x: jax.Array,  # [num_tokens, in] float32, bfloat16 or float16
     w: PackedWeight,  # [in, out]
 ) -> jax.Array:  # [num_tokens, out] float32
-    """``x @ dequantize(w)`` accumulated in float32."""
+    """``x @ dequantize(w)``: the weight rounded to ``x``'s dtype, summed in float32."""
     _validate(x, w)
-    return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
+    return operand_dot(x, dequantize(w))
+
+
+def operand_dot(
+    x: jax.Array,  # [num_tokens, in] float32, bfloat16 or float16
+    w: jax.Array,  # [in, out], any real dtype
+) -> jax.Array:  # [num_tokens, out] float32
+    """``x @ w`` with ``w`` rounded to ``x``'s dtype and the products summed in float32.
+
+    Products of two bfloat16 (or float16) values are exact in float32, so the result depends
+    only on the rounded operands (and the order of the sums), not on the formulation. XLA:CPU
+    runs a bfloat16 dot of many rows at 1.7x float32's speed but a single row at a quarter of
+    it (measured, BENCHMARKS.md); one row therefore multiplies the rounded values in float32.
+    """
+    f32 = jnp.float32
+    if x.dtype == f32:
+        return jnp.dot(x, w.astype(f32), preferred_element_type=f32)
+    w = w.astype(x.dtype)
+    if x.shape[0] == 1 and jax.default_backend() == "cpu":
+        return jnp.dot(x.astype(f32), w.astype(f32), preferred_element_type=f32)
+    return jnp.dot(x, w, preferred_element_type=f32)

@@ -1,4 +1,5 @@
-"""``--kv-cache-dtype`` and its alias ``--fp8-kvcache``: parsing into ``EngineConfig``."""
+"""``--kv-cache-dtype`` (and its alias ``--fp8-kvcache``) and ``--matmul-dtype``: parsing into
+``EngineConfig`` and one-line errors."""
 
 from __future__ import annotations
 
@@ -29,3 +30,19 @@ def test_bad_kv_cache_dtype_is_one_line_exit_2() -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("runtime-serve: error: ")
     assert "--kv-cache-dtype" in lines[0] and "'int4'" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], "auto"), (["--matmul-dtype", "bfloat16"], "bfloat16")]
+)
+def test_matmul_dtype_flag_reaches_the_engine_config(argv: list[str], expected: str) -> None:
+    args = build_parser().parse_args(argv)
+    assert _config_from_args(args).matmul_dtype == expected
+
+
+def test_bad_matmul_dtype_is_one_line_exit_2() -> None:
+    result = run_cli("--matmul-dtype", "int8")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "--matmul-dtype" in lines[0] and "'int8'" in lines[0]
