@@ -167,6 +167,8 @@ class Workload:
     output_len: int  # max_tokens
     exact_output: bool  # also send ignore_eos and min_tokens = max_tokens
     seed: int
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def prompt(self, tag: str, index: int) -> str:
         """The index-th prompt of a run, led by `tag`, which makes it unique to the run."""
@@ -186,7 +188,8 @@ class Workload:
         body: dict = {
             "model": model,
             "max_tokens": max_tokens,
-            "temperature": 0,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -397,6 +400,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, help="about this many prompt tokens per request")
     p.add_argument("--seed", type=int, default=0, help="seed of --prompts random (default 0)")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="top_p of every request (default 1)")
+    p.add_argument(
         "--output-len",
         "--max-tokens",
         dest="output_len",
@@ -453,6 +463,8 @@ def _workload(args: argparse.Namespace) -> Workload:
         output_len=args.output_len,
         exact_output=args.exact_output,
         seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
 
 
@@ -467,7 +479,8 @@ def _json_config(args: argparse.Namespace) -> dict:
         "concurrency": args.concurrency,
         "num_requests": num_requests,
         "max_tokens": args.output_len,
-        "temperature": 0,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         # Distinct prompt texts before the tag.
         "prompts": len(PROMPTS) if args.prompts == "fixed" else max(num_requests),
         "endpoint": args.endpoint,
