@@ -117,15 +117,20 @@ class Scheduler:
 
     def _decode_steps(self, decodes: list[Sequence], prefill_waits: bool) -> int:
         """``decode_steps`` when nothing else waits, every sequence has room for that many more
-        positions, none needs per-token host work (logprobs, penalties, min_tokens still
-        pending) and the pages for all of them are free without preempting; else 1."""
+        positions, none needs per-token host work (logprobs, penalties, stop tokens banned
+        until min_tokens) and the pages for all of them are free without preempting; else 1."""
         k = self.decode_steps
         if k == 1 or prefill_waits or self.waiting:
             return 1
         needed = 0
         for seq in decodes:
             sp = seq.sampling
-            if sp.logprobs is not None or sp.uses_penalties or len(seq.output_ids) < sp.min_tokens:
+            # min_tokens bans stop tokens by a bias fixed for the whole call; nothing to ban
+            # (ignore_eos and no stop_token_ids) leaves nothing that changes within it.
+            bans = sp.stop_token_ids or not sp.ignore_eos
+            if sp.logprobs is not None or sp.uses_penalties:
+                return 1
+            if bans and len(seq.output_ids) < sp.min_tokens:
                 return 1
             # Overshooting max_tokens only costs dropped tokens; positions must stay in range.
             if self.max_model_len - seq.num_tokens + 1 < k:

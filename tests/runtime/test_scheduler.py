@@ -220,10 +220,15 @@ def test_multi_step_decode_only_when_nothing_else_waits():
 
 
 def test_multi_step_falls_back_to_one_step():
-    for kw in ({"logprobs": 2}, {"presence_penalty": 0.5}, {"min_tokens": 3}):
+    bans = ({"min_tokens": 3}, {"min_tokens": 3, "ignore_eos": True, "stop_token_ids": (5,)})
+    for kw in ({"logprobs": 2}, {"presence_penalty": 0.5}, *bans):
         sched = Scheduler(PageAllocator(16, 4), 4, 64, 8, [EOS], decode_steps=4)
         _prefilled(sched, seq(3, **{"max_tokens": 20, **kw}))
         assert sched.schedule().num_steps == 1, kw
+    # min_tokens with nothing to ban (ignore_eos, no stop token ids) does not hold it back.
+    sched = Scheduler(PageAllocator(16, 4), 4, 64, 8, [EOS], decode_steps=4)
+    _prefilled(sched, seq(3, max_tokens=20, min_tokens=10, ignore_eos=True))
+    assert sched.schedule().num_steps == 4
     # Near the end of the context window there is no room for 4 more positions.
     sched = Scheduler(PageAllocator(16, 4), 4, 8, 8, [EOS], decode_steps=4)
     _prefilled(sched, seq(6, max_tokens=20))
