@@ -151,9 +151,10 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         choices=MATMUL_DTYPES,
         default="auto",
         help="operands of the quantized projections' matmuls: auto = the model dtype; bfloat16 "
-        "= activations rounded to bfloat16, products summed in float32: about 1.5x faster "
-        "prefill and batched decode on CPUs with AVX512-BF16, logits within ~1%%, but a "
-        "request's tokens may then depend on what it is batched with (default: %(default)s)",
+        "= activations rounded to bfloat16, products summed in float32, except when one "
+        "sequence decodes alone: about 1.5x faster prefill and batched decode on CPUs with "
+        "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
+        "batched with (default: %(default)s)",
     )
     add(
         "--fp8-kvcache",

@@ -1,14 +1,19 @@
-"""One jitted decode step of a model for several weight formats, timed interleaved in one process.
+"""One jitted model step (decode or prefill) for several weight formats, timed interleaved in one
+process.
 
 Single-stream decode on a bandwidth-bound device is the step's weight bytes; this isolates the
 step from the server (no HTTP, scheduling or sampling) so that formats compare on equal terms.
 The formats are timed in turn, round after round, so machine noise hits all of them alike; the
-best and median round per format are printed, with the ratio to the first format.
+best and median round per format are printed, with the ratio to the first format. The KV cache
+is donated to each step, as the server does.
 
-    .venv/bin/python tools/bench_decode_step.py --formats float,packed,int8,q4k --num-seqs 1,16
+    .venv/bin/python tools/bench_decode_step.py --formats packed,packed-bf16 --num-seqs 1,16 \
+        --prefill 128,512
 
 ``float`` dequantizes a quantized checkpoint to float32 at load; ``packed`` keeps its quantized
-tensors packed (what runtime-serve does); any ``--isq`` type re-quantizes the projections.
+tensors packed (what runtime-serve does); any ``--isq`` type re-quantizes the projections. A
+``-bf16`` suffix multiplies the quantized projections with bfloat16 operands
+(``--matmul-dtype bfloat16``).
 """
 
 from __future__ import annotations
@@ -47,14 +52,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default="smollm2-135m-instruct")
     parser.add_argument("--formats", default="float,packed,int8")
-    parser.add_argument("--num-seqs", default="1,16", help="comma-separated batch sizes")
-    parser.add_argument("--context", type=int, default=128, help="KV positions per sequence")
+    parser.add_argument("--num-seqs", default="1,16", help="comma-separated decode batch sizes")
+    parser.add_argument(
+        "--prefill", default="", help="comma-separated prompt lengths of one-sequence prefills"
+    )
+    parser.add_argument(
+        "--context", type=int, default=128, help="KV positions per decoding sequence"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     formats = args.formats.split(",")
     for name in formats:
-        if name not in ("float", "packed", *ISQ_CHOICES):
+        if name.removesuffix("-bf16") not in ("float", "packed", *ISQ_CHOICES):
             print(f"bench_decode_step: unknown format {name!r}", file=sys.stderr)
             return 2
     checkpoint = load_checkpoint(resolve_model_source(args.model_id, None))
@@ -62,38 +72,53 @@ def main() -> int:
     dtype = resolve_dtype(args.dtype)
     models = {}
     for name in formats:
-        quantization = None if name in ("float", "packed") else name
-        config = dataclasses.replace(base, quantization=quantization)
-        tensors = checkpoint.tensors(packed=name != "float")
+        kind = name.removesuffix("-bf16")
+        config = dataclasses.replace(
+            base,
+            quantization=None if kind in ("float", "packed") else kind,
+            operand_dtype="bfloat16" if name.endswith("-bf16") else None,
+        )
+        tensors = checkpoint.tensors(packed=kind != "float")
         models[name] = (config, spec.load(config, tensors, dtype, checkpoint.num_tensors))
-    print(f"{args.model_id}: decode step ms at context {args.context} ({jax.default_backend()})")
-    for num_seqs in (int(n) for n in args.num_seqs.split(",")):
-        pages = -(-(args.context + 1) // PAGE_SIZE)
+    print(f"{args.model_id}: step ms ({jax.default_backend()})")
+    shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
+    shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
+    for num_seqs, q_len, context in shapes:
+        pages = -(-(context + q_len) // PAGE_SIZE)
         k_shape, v_shape = base.cache_shapes(num_seqs * pages, PAGE_SIZE)
         batch = StepBatch(
-            tokens=jnp.ones((num_seqs, 1), jnp.int32),
-            positions=jnp.full((num_seqs, 1), args.context, jnp.int32),
-            q_lens=jnp.ones((num_seqs,), jnp.int32),
-            kv_lens=jnp.full((num_seqs,), args.context + 1, jnp.int32),
+            tokens=jnp.ones((num_seqs, q_len), jnp.int32),
+            positions=jnp.tile(
+                jnp.arange(context, context + q_len, dtype=jnp.int32), (num_seqs, 1)
+            ),
+            q_lens=jnp.full((num_seqs,), q_len, jnp.int32),
+            kv_lens=jnp.full((num_seqs,), context + q_len, jnp.int32),
             page_indices=jnp.arange(num_seqs * pages, dtype=jnp.int32).reshape(num_seqs, pages),
         )
         steps = {}
         for name, (config, weights) in models.items():
-            cache = KVCache.zeros(k_shape, dtype, v_shape)
             step = jax.jit(
-                lambda w, c, config=config, batch=batch: spec.forward(config, w, c, batch)[0]
+                lambda w, c, config=config, batch=batch: spec.forward(config, w, c, batch),
+                donate_argnums=(1,),
             )
-            jax.block_until_ready(step(weights, cache))
-            steps[name] = lambda step=step, w=weights, c=cache: step(w, c)
+            state = {"cache": KVCache.zeros(k_shape, dtype, v_shape)}
+
+            def run(step=step, weights=weights, state=state):
+                logits, state["cache"] = step(weights, state["cache"])
+                return logits
+
+            jax.block_until_ready(run())
+            steps[name] = run
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, run in steps.items():
-                times[name] += _timed(run, 1, 5)
+                times[name] += _timed(run, 1, 5 if q_len == 1 else 2)
         first = min(times[formats[0]])
+        what = f"decode {num_seqs:>3} seqs" if q_len == 1 else f"prefill {q_len:>4} tokens"
         for name, ms in times.items():
             best, median = min(ms), statistics.median(ms)
             print(
-                f"  {num_seqs:>3} seqs {name:>7}: best {best:7.1f}  median {median:7.1f}  "
+                f"  {what} {name:>12}: best {best:7.1f}  median {median:7.1f}  "
                 f"({first / best:.2f}x the speed of {formats[0]})"
             )
     return 0
