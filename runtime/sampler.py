@@ -159,13 +159,20 @@ def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     scaled = logits / temperature[:, None]
     w = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the most likely is 1.0
     top_k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
-    # top-k and top-p keep a prefix of the sorted row; the shorter prefix wins: the largest cut
-    # that still keeps k tokens or reaches the mass.
-    target = meta.top_p * jnp.sum(w, axis=-1)
+    # top-k, then top-p over what top-k kept, renormalized (as vLLM, HF and llama.cpp chain
+    # them): each keeps a prefix of the sorted row, so each is the largest cut that still keeps
+    # k tokens, or still reaches top_p of the top-k mass.
+    zeros = jnp.zeros(num_seqs)
+    k_cut = jax.lax.cond(
+        jnp.any(top_k < vocab),
+        lambda: _largest(w, zeros, lambda n, mass: n >= top_k),
+        lambda: zeros,
+    )
+    target = meta.top_p * jnp.sum(jnp.where(w >= k_cut[:, None], w, 0.0), axis=-1)
     cut = jax.lax.cond(
-        jnp.any((top_k < vocab) | (meta.top_p < 1.0)),
-        lambda: _largest(w, jnp.zeros(num_seqs), lambda n, mass: (n >= top_k) | (mass >= target)),
-        lambda: jnp.zeros(num_seqs),
+        jnp.any(meta.top_p < 1.0),
+        lambda: _largest(w, k_cut, lambda n, mass: mass >= target),
+        lambda: k_cut,
     )
     cut = jnp.maximum(cut, meta.min_p)  # min-p: w >= min_p * 1.0
     kept_mass = jnp.sum(jnp.where(w >= cut[:, None], w, 0.0), axis=-1)

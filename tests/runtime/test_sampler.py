@@ -60,7 +60,8 @@ def test_mixed_batch_greedy_rows_stay_greedy():
 
 
 def filtered_distribution(logits, temperature, top_k, top_p, min_p):
-    """The distribution a sort-based sampler draws from (numpy, one row)."""
+    """The distribution a sort-based sampler draws from (numpy, one row): top-k, then top-p
+    over the renormalized top-k, then min-p relative to the most likely token."""
     scaled = np.asarray(logits, np.float64) / temperature
     order = np.argsort(-scaled, kind="stable")
     probs = np.exp(scaled[order] - scaled[order[0]])
@@ -68,7 +69,8 @@ def filtered_distribution(logits, temperature, top_k, top_p, min_p):
     keep = np.ones(len(order), bool)
     if top_k > 0:
         keep &= np.arange(len(order)) < top_k
-    keep &= np.cumsum(probs) - probs < top_p
+    kept = np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()  # top-p after top-k
+    keep &= np.cumsum(kept) - kept < top_p
     keep &= probs >= min_p * probs[0]
     out = np.zeros(len(order))
     out[order[keep]] = probs[keep] / probs[keep].sum()
