@@ -211,7 +211,7 @@ def _sampling_metadata(
             meta.num_output_in_history[row] = min(n, len(seq.output_ids))
         bias = [(t, -np.inf if b <= -100.0 else b) for t, b in sp.logit_bias]
         if len(seq.output_ids) < sp.min_tokens:
-            banned = sp.stop_token_ids + (() if sp.ignore_eos else eos_token_ids)
+            banned = sp.banned_until_min_tokens(eos_token_ids)
             bias += [(t, -np.inf) for t in banned]
         if bias:
             ids, values = zip(*bias, strict=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Fixed per-step widths, so these settings never change a compiled shape (see runtime/sampler.py).
@@ -103,6 +104,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def banned_until_min_tokens(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+        """The token ids suppressed while fewer than ``min_tokens`` were generated: the stop
+        token ids, and the model's EOS ids unless ``ignore_eos``."""
+        return self.stop_token_ids + (() if self.ignore_eos else tuple(eos_token_ids))
 
     @property
     def uses_penalties(self) -> bool:

@@ -84,7 +84,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     processed = apply_bias(apply_penalties(logits, meta), meta)
     greedy = _first_index(processed == jnp.max(processed, axis=-1, keepdims=True))
     all_greedy = jnp.all(meta.temperature == 0.0)
-    # The sort over the vocabulary is skipped entirely when every sequence is greedy.
+    # The filtered draw is skipped entirely when every sequence is greedy.
     sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_filtered(processed, meta))
     tokens = jnp.where(meta.temperature == 0.0, greedy, sampled)
     return _with_logprobs(processed, tokens, meta.wants_logprobs)
@@ -151,8 +151,8 @@ def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     on them: a token is kept when ``w >= cut``. The cut for top-k and top-p, and the draw, are
     found by bisection over the float values (``_largest``); each pass reads the row once and
     the answer is one of the row's own values, exactly as a sort would give it (tokens with equal
-    weights are kept or dropped together, and the draw takes the lowest id among them).
-    A sort of [16, 49152] took 175 ms on a 2-core CPU; the two bisections take a few.
+    weights are kept or dropped together, and share the draw evenly). A sort of [16, 49152]
+    took 175 ms on a 2-core CPU; the bisections (top-k, top-p, the draw) take a few.
     """
     num_seqs, vocab = logits.shape
     temperature = jnp.where(meta.temperature > 0.0, meta.temperature, 1.0)

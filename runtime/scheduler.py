@@ -125,12 +125,12 @@ class Scheduler:
         needed = 0
         for seq in decodes:
             sp = seq.sampling
-            # min_tokens bans stop tokens by a bias fixed for the whole call; nothing to ban
-            # (ignore_eos and no stop_token_ids) leaves nothing that changes within it.
-            bans = sp.stop_token_ids or not sp.ignore_eos
+            # min_tokens bans tokens by a bias fixed for the whole call; with nothing to ban
+            # (ignore_eos and no stop_token_ids) nothing changes within it.
+            pending = len(seq.output_ids) < sp.min_tokens
             if sp.logprobs is not None or sp.uses_penalties:
                 return 1
-            if bans and len(seq.output_ids) < sp.min_tokens:
+            if pending and sp.banned_until_min_tokens(self.eos_token_ids):
                 return 1
             # Overshooting max_tokens only costs dropped tokens; positions must stay in range.
             if self.max_model_len - seq.num_tokens + 1 < k:

@@ -4,9 +4,7 @@ settings are one-line errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +29,8 @@ from runtime.perplexity import (
 from runtime.tokenizer import Tokenizer
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import BOS, VOCAB_SIZE, save_byte_tokenizer
+from tests.tools import load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "perplexity.py"
 N_CTX = 32
 BOS_ID = 256
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. " * 3
@@ -140,17 +138,9 @@ def test_text_files_read_like_llama_cpp(tmp_path: Path) -> None:
         read_text_file(path)
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("perplexity_tool_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tool_errors_are_one_line(tiny, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     folder, _, _ = tiny
-    tool = _tool()
+    tool = load_tool("perplexity.py")
     text = tmp_path / "short.txt"
     text.write_text("too short\n")
     common = ["--model-id", str(folder), "--text-file", str(text)]
@@ -181,7 +171,7 @@ echo "$@" > "$(dirname "$0")/argv"
 def test_peer_output_is_parsed(tmp_path: Path) -> None:
     import argparse
 
-    tool = _tool()
+    tool = load_tool("perplexity.py")
     fake = tmp_path / "llama-perplexity"
     fake.write_text(FAKE_PEER)
     fake.chmod(0o755)

@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
+from tests.tools import load_tool
+
 CONTENT_CHUNKS = 5  # one token per chunk; the fake "EOS" comes after this many
 TIMINGS_TOKENS = 7  # differs from CONTENT_CHUNKS so the test sees which count was used
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench_under_test", TOOLS_DIR / "bench.py")
-report = _load("bench_report_under_test", TOOLS_DIR / "bench_report.py")
+bench = load_tool("bench.py")
+report = load_tool("bench_report.py")
 
 
 class FakeServer(ThreadingHTTPServer):

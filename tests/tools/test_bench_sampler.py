@@ -3,28 +3,17 @@ sampler (so the timing compares like with like), and the tool runs end to end on
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 from runtime.sampler import empty_sampling_metadata, sample
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_sampler.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_sampler_under_test", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.tools import load_tool
 
 
 def test_peer_and_sampler_keep_the_same_tokens():
-    tool = _load()
+    tool = load_tool("bench_sampler.py")
     rows = 2000
     logits = jnp.asarray(
         np.tile(np.log([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]), (rows, 1)), jnp.float32
@@ -41,7 +30,7 @@ def test_peer_and_sampler_keep_the_same_tokens():
 
 
 def test_the_tool_prints_a_row_per_setting(capsys, monkeypatch):
-    tool = _load()
+    tool = load_tool("bench_sampler.py")
     monkeypatch.setattr(
         sys, "argv", ["bench_sampler.py", "--rows", "2", "--vocab", "64", "--rounds", "1"]
     )
