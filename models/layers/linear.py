@@ -12,8 +12,8 @@ head is not quantized.
 
 Both kinds carry an ``operand_dtype`` (``--matmul-dtype``): with "bfloat16" the activations are
 rounded to bfloat16 and the products summed in float32. XLA:CPU's bfloat16 dot runs at 1.7x the
-float32 speed for many rows (prefill 128 tokens: 203 -> 134 ms; a 16-sequence decode step:
-84 -> 68 ms); the rounding costs far less than the quantization did (llama.cpp rounds the
+float32 speed for many rows (tools/bench_decode_step.py, BENCHMARKS.md: prefill 128 tokens
+196 -> 123 ms; a 16-sequence decode step 64.6 -> 56.3 ms); the rounding costs far less than the quantization did (llama.cpp rounds the
 activations to 8-bit blocks for the same products; perplexity moves by 0.03%), but it moves
 logits by ~1%, so a request's tokens may then depend on what it is batched with. A single row
 (one sequence decoding alone) keeps the activations' dtype: it is bound by reading the weights,
