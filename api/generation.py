@@ -22,7 +22,7 @@ from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request
 from api.logprobs import LogprobAligner
 from api.metrics import Metrics
-from api.protocol import CompletionTokensDetails, Usage
+from api.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 from api.stop import StopStringMatcher
 from api.timing import RequestTiming
 from runtime.interface import EngineClient
@@ -56,6 +56,7 @@ def _usage(delta: GenerationDelta, timing: RequestTiming) -> Usage:
         prompt_tokens=delta.num_prompt_tokens,
         completion_tokens=delta.num_output_tokens,
         total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.num_cached_tokens),
         prompt_time_costs=timing.prompt_time_costs_ms,
         completion_time_costs=timing.completion_time_costs_ms,
     )

@@ -36,6 +36,10 @@ class _EngineCollector(Collector):
             "kv_pages_used": ("KV cache pages in use.", stats.num_pages_used),
             "kv_pages_free": ("KV cache pages free.", stats.num_pages_free),
             "kv_pages_total": ("KV cache pages in all.", stats.num_pages_total),
+            "kv_pages_cached": (
+                "Free KV cache pages that still hold a reusable prefix.",
+                stats.num_pages_cached,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -43,6 +47,16 @@ class _EngineCollector(Collector):
             f"{PREFIX}_num_preemptions",
             "Sequences preempted (pages freed, recomputed later).",
             value=stats.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=stats.num_prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hits",
+            "Prompt tokens whose K/V came from the prefix cache.",
+            value=stats.num_prefix_cache_hits,
         )
 
 

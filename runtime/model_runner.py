@@ -79,6 +79,7 @@ class ModelRunner:
             donate_argnums=(2,),
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
+        self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
 
     def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
@@ -123,6 +124,14 @@ class ModelRunner:
             result.logprobs = _host_logprobs(batch.items, out)
         return result
 
+    def fill_pages(self, pages: list[int]) -> None:
+        """Set every K/V element (and row scale) of ``pages`` to NaN: the debug mode that shows a
+        read of stale K/V as a non-finite output. The page list is padded to a power of two by
+        repeating its first page, so few shapes compile."""
+        ids = np.full(1 << (len(pages) - 1).bit_length(), pages[0], np.int32)
+        ids[: len(pages)] = pages
+        self.cache = self._fill(self.cache, ids)
+
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
         items = batch.items
         ps = self.plan.page_size
@@ -147,6 +156,10 @@ class ModelRunner:
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
         return step_batch, _sampling_metadata(items, num_seqs, self.eos_token_ids)
+
+
+def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a.at[:, pages].set(jnp.nan), cache)
 
 
 def _step(

@@ -135,6 +135,7 @@ class GenerationDelta:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when the request asked for them
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,12 @@ bucket) or a decode for every running sequence (one token each, or ``decode_step
 nothing else waits); when both kinds of work are waiting they alternate, so a long prompt delays
 running streams by at most one chunk at a time. When a decode needs a page and none is free, the
 newest running sequence is preempted: its pages are freed and it is recomputed later.
+
+Prefix caching: every full page a sequence computes is registered under its prefix hash; a
+sequence that starts (or restarts after preemption) first takes the cached pages of its longest
+registered prefix, by reference count, and computes only the rest. At least one token is always
+left to compute, since its logits give the next sample. Full pages are never written again, so
+sharing them is safe.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from runtime.buckets import fit_chunk
-from runtime.page_allocator import PageAllocator
+from runtime.page_allocator import PageAllocator, page_hash
 from runtime.request import FinishReason
 from runtime.sequence import Sequence, SequenceStatus
 
@@ -62,6 +68,7 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         decode_steps: int = 1,
         prefill_lens: tuple[int, ...] = (),
+        prefix_cache: bool = True,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -71,10 +78,13 @@ class Scheduler:
         self.decode_steps = decode_steps
         self.prefill_lens = prefill_lens  # the runner's prefill buckets; chunks are cut to fit
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_kind: StepKind | None = None
         self.num_preemptions = 0
+        self.num_cache_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hit_tokens = 0  # ... and found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -149,17 +159,19 @@ class Scheduler:
             seq.num_computed = item.start + item.length
             if seq.forks and seq.num_computed >= len(seq.prompt_ids):
                 self._release_forks(seq)
-            if not item.reaches_end:
-                continue
-            for i, token in enumerate(tokens):
+            reason, sampled_here = None, item.reaches_end  # before the new tokens extend it
+            for i, token in enumerate(tokens if sampled_here else ()):
                 # Token i was sampled after the step fed token i - 1 back: its K/V are cached.
                 seq.num_computed = item.start + item.length + i
                 seq.output_ids.append(int(token))
                 reason = self._finish_reason(seq, int(token))
                 if reason is not None:
-                    self._finish(seq, reason)
                     break
-            changed.append(seq)
+            self._register_full_pages(seq)  # before finishing: a finished prefix stays cached
+            if reason is not None:
+                self._finish(seq, reason)
+            if sampled_here:
+                changed.append(seq)
         return changed
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -177,8 +189,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self._release_pages(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -192,17 +203,24 @@ class Scheduler:
             if not self.waiting or len(self.running) >= self.max_num_seqs:
                 return None
             seq = self.waiting[0]
+        reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
         length = min(seq.num_pending, self.prefill_chunk_size)
         if self.prefill_lens:
             length = fit_chunk(self.prefill_lens, seq.num_pending, self.prefill_chunk_size)
         needed = self._pages_needed(seq, seq.num_computed + length)
         if not self.allocator.can_allocate(needed):
+            if reused:  # give the cached pages back until it can start
+                self._release_pages(seq)
             return None
         seq.pages += self.allocator.allocate(needed)
         if seq.status is SequenceStatus.WAITING:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.prefix_cache and seq.num_preemptions == 0:
+                seq.num_cached_tokens = reused * self.page_size
+                self.num_cache_queried_tokens += len(seq.prompt_ids)
+                self.num_cache_hit_tokens += seq.num_cached_tokens
         return ScheduledSeq(seq, seq.num_computed, length)
 
     def _reserve_decode_pages(self, decodes: list[Sequence], steps: int = 1) -> list[Sequence]:
@@ -223,6 +241,51 @@ class Scheduler:
                 kept.append(seq)
         return kept
 
+    def _reuse_cached_prefix(self, seq: Sequence) -> int:
+        """Start a sequence without pages on the cached pages of its longest registered prefix;
+        return how many pages it took."""
+        if not self.prefix_cache:
+            return 0
+        hashes = self._page_hashes(seq, (seq.num_tokens - 1) // self.page_size)
+        for digest in hashes:
+            page = self.allocator.lookup(digest)
+            if page is None:
+                break
+            self.allocator.share(page)
+            seq.pages.append(page)
+        reused = seq.num_registered_pages = len(seq.pages)
+        seq.num_computed = reused * self.page_size
+        return reused
+
+    def _page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        """The prefix hashes of the sequence's first ``num_pages`` full pages."""
+        ps, hashes = self.page_size, seq.page_hashes
+        while len(hashes) < num_pages:
+            i = len(hashes)
+            hashes.append(
+                page_hash(hashes[-1] if i else None, seq.token_slice(i * ps, i * ps + ps))
+            )
+        return hashes[:num_pages]
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Register the pages the sequence has filled since the last call under their hashes."""
+        if not self.prefix_cache or seq.status is not SequenceStatus.RUNNING:
+            return
+        full = min(seq.num_computed // self.page_size, len(seq.pages))
+        if full <= seq.num_registered_pages:
+            return
+        hashes = self._page_hashes(seq, full)
+        for i in range(seq.num_registered_pages, full):
+            self.allocator.register_full_page(seq.pages[i], hashes[i])
+        seq.num_registered_pages = full
+
+    def _release_pages(self, seq: Sequence) -> None:
+        """Drop the sequence's pages, last first: the free list evicts the least recently freed,
+        so a shared prefix outlives the tails that extend it."""
+        self.allocator.free(reversed(seq.pages))
+        seq.pages = []
+        seq.num_computed = seq.num_registered_pages = 0
+
     def _release_forks(self, parent: Sequence) -> None:
         """Start the parent's forks (n > 1) on its computed prompt.
 
@@ -236,15 +299,15 @@ class Scheduler:
                 self.allocator.share(page)
             fork.pages = parent.pages[:shared]
             fork.num_computed = shared * self.page_size
+            fork.page_hashes = parent.page_hashes[:shared]
+            fork.num_registered_pages = min(shared, parent.num_registered_pages)
         self.waiting.extendleft(reversed(parent.forks))
         parent.forks = []
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it waits at the front and is recomputed from scratch."""
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
+        self._release_pages(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

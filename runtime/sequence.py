@@ -33,6 +33,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prefix cache: hashes of the full pages of ``token_slice`` so far (chained, see
+    # ``page_allocator.page_hash``), how many leading pages are registered or were reused, and how
+    # many prompt tokens the first admission found cached (reported as ``cached_tokens``).
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int = 0
     # n > 1: sibling sequences parked until this one's prompt is computed, then started on its pages.
     forks: list[Sequence] = field(default_factory=list)
 
@@ -49,4 +55,6 @@ class Sequence:
         n_prompt = len(self.prompt_ids)
         if stop <= n_prompt:
             return self.prompt_ids[start:stop]
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n_prompt]

@@ -14,6 +14,10 @@ class EngineStats:
     num_pages_total: int
     num_pages_free: int
     num_preemptions: int  # since start, monotonic
+    # Prefix cache, since start: prompt tokens looked up, and found cached; free cached pages now.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    num_pages_cached: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_running", "num_waiting", "num_pages_total", "num_pages_free"):

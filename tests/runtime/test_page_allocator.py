@@ -42,15 +42,43 @@ def test_double_free_and_sharing_a_free_page_are_errors():
         alloc.share(page)
 
 
-def test_prefix_hash_chains_and_lookup_forgets_reused_pages():
+def test_prefix_hash_chains_the_parent():
     h1 = page_hash(None, [1, 2, 3])
     assert h1 == page_hash(None, [1, 2, 3])
+    assert h1 != page_hash(None, [1, 2, 4])
     assert page_hash(h1, [4]) != page_hash(page_hash(None, [9]), [4]), "hash must chain the parent"
-    alloc = PageAllocator(num_pages=1, page_size=3)
+
+
+def test_freed_page_stays_cached_until_handed_out_again():
+    alloc = PageAllocator(num_pages=2, page_size=3)
     (page,) = alloc.allocate(1)
-    alloc.register_full_page(page, h1)
-    assert alloc.lookup(h1) == page
+    digest = page_hash(None, [1, 2, 3])
+    alloc.register_full_page(page, digest)
     alloc.free([page])
-    assert alloc.lookup(h1) is None, "a freed page is not handed out as a cached prefix"
-    alloc.allocate(1)
-    assert alloc.lookup(h1) is None
+    assert alloc.num_free == 2 and alloc.num_cached == 1
+    assert alloc.lookup(digest) == page, "a freed page keeps its prefix until it is reused"
+    alloc.share(page)  # taken back from the free list by a sequence with the same prefix
+    assert alloc.ref_count(page) == 1 and alloc.num_free == 1
+    alloc.free([page])
+    alloc.allocate(2)  # evicts it: its old contents are about to be overwritten
+    assert alloc.lookup(digest) is None and alloc.num_cached == 0
+
+
+def test_eviction_takes_the_least_recently_freed_page_first():
+    alloc = PageAllocator(num_pages=3, page_size=1)
+    pages = alloc.allocate(3)
+    digests = [page_hash(None, [i]) for i in range(3)]
+    for page, digest in zip(pages, digests, strict=True):
+        alloc.register_full_page(page, digest)
+    alloc.free([pages[2], pages[0], pages[1]])
+    assert alloc.allocate(1) == [pages[2]]
+    assert alloc.lookup(digests[2]) is None
+    assert alloc.lookup(digests[0]) == pages[0] and alloc.lookup(digests[1]) == pages[1]
+
+
+def test_sharing_an_unregistered_free_page_is_an_error():
+    alloc = PageAllocator(num_pages=1, page_size=1)
+    (page,) = alloc.allocate(1)
+    alloc.free([page])
+    with pytest.raises(ValueError):
+        alloc.share(page)

@@ -1,3 +1,5 @@
+import pytest
+
 from runtime.page_allocator import PageAllocator
 from runtime.request import FinishReason, SamplingParams
 from runtime.scheduler import Scheduler, StepKind
@@ -6,9 +8,10 @@ from runtime.sequence import Sequence, SequenceStatus
 EOS = 0
 
 
-def make(num_pages=16, page_size=4, max_num_seqs=4, chunk=8, max_model_len=64):
+def make(num_pages=16, page_size=4, max_num_seqs=4, chunk=8, max_model_len=64, prefix_cache=True):
     alloc = PageAllocator(num_pages, page_size)
-    return Scheduler(alloc, max_num_seqs, max_model_len, chunk, [EOS]), alloc
+    sched = Scheduler(alloc, max_num_seqs, max_model_len, chunk, [EOS], prefix_cache=prefix_cache)
+    return sched, alloc
 
 
 _arrival = iter(range(10**6))
@@ -107,8 +110,9 @@ def test_abort_frees_pages_wherever_the_sequence_is():
     assert sched.abort("nope") is None
 
 
-def test_preemption_when_pages_run_out_recomputes_the_newest():
-    sched, alloc = make(num_pages=4, page_size=4, chunk=16)
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preemption_when_pages_run_out_recomputes_the_newest(prefix_cache):
+    sched, alloc = make(num_pages=4, page_size=4, chunk=16, prefix_cache=prefix_cache)
     old, new = seq(4, max_tokens=20), seq(4, max_tokens=20)
     for s in (old, new):
         sched.add(s)
@@ -130,7 +134,10 @@ def test_preemption_when_pages_run_out_recomputes_the_newest():
     generated = len(new.output_ids)
     sched.abort(old.request_id)
     b = sched.schedule()  # the preempted sequence recomputes prompt + outputs in one prefill
-    assert b.kind is StepKind.PREFILL and b.items[0].length == 4 + generated
+    assert b.kind is StepKind.PREFILL and b.items[0].reaches_end
+    # With the prefix cache, the full prompt page is found cached (it was freed, not reused).
+    start = 4 if prefix_cache else 0
+    assert (b.items[0].start, b.items[0].length) == (start, 4 + generated - start)
 
 
 def test_forks_share_the_prompt_pages_and_recompute_only_the_last_partial_page():
@@ -258,3 +265,77 @@ def test_multi_step_tokens_after_a_stop_are_dropped():
     assert a.output_ids == [*a_before, 5, EOS] and a.finish_reason is FinishReason.STOP
     assert b.output_ids == [*b_before, 5, 6, 8, 9] and b.status is SequenceStatus.RUNNING
     assert alloc.num_free == alloc.num_pages - len(b.pages)  # a's pages are back
+
+
+def prompt_seq(prompt, max_tokens=4):
+    return Sequence(f"p{next(_arrival)}", list(prompt), SamplingParams(max_tokens=max_tokens), 0, 0)
+
+
+def drain(sched, token=7):
+    while sched.has_work():
+        run(sched, sched.schedule(), token)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_shared_prefix_is_computed_once(prefix_cache):
+    sched, alloc = make(page_size=4, chunk=16, prefix_cache=prefix_cache)
+    first = prompt_seq(range(1, 11))  # pages [1-4] [5-8] [9-10]
+    sched.add(first)
+    run(sched, sched.schedule())
+    second = prompt_seq([*range(1, 9), 50, 51, 52])  # shares the first two full pages
+    sched.add(second)
+    run(sched, sched.schedule())  # first decodes (prefill and decode alternate)
+    b = sched.schedule()
+    assert b.kind is StepKind.PREFILL and b.items[0].seq is second
+    if prefix_cache:
+        assert (b.items[0].start, b.items[0].length) == (8, 3)
+        assert second.pages[:2] == first.pages[:2] and second.num_cached_tokens == 8
+        assert all(alloc.ref_count(p) == 2 for p in first.pages[:2])
+        assert (sched.num_cache_queried_tokens, sched.num_cache_hit_tokens) == (21, 8)
+    else:
+        assert (b.items[0].start, b.items[0].length) == (0, 11)
+        assert not set(second.pages) & set(first.pages) and second.num_cached_tokens == 0
+    drain(sched)
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_a_finished_sequence_leaves_its_prompt_and_output_pages_cached():
+    sched, alloc = make(page_size=4, chunk=16)
+    first = prompt_seq(range(1, 7), max_tokens=4)  # 6 prompt + 4 output tokens
+    sched.add(first)
+    drain(sched, token=9)
+    assert first.output_ids == [9] * 4 and alloc.num_free == alloc.num_pages
+    # The K/V of the first 9 tokens were computed (the last output was sampled, never fed).
+    assert alloc.num_cached == 2
+    follow_up = prompt_seq([*range(1, 7), 9, 9, 9, 9, 60, 61])  # a chat's next turn
+    sched.add(follow_up)
+    b = sched.schedule()
+    assert (b.items[0].start, b.items[0].length) == (8, 4) and follow_up.num_cached_tokens == 8
+
+
+def test_a_prompt_that_is_all_cached_still_computes_its_last_token():
+    sched, _ = make(page_size=4, chunk=16)
+    first = prompt_seq(range(1, 9))
+    sched.add(first)
+    drain(sched)
+    again = prompt_seq(range(1, 9))
+    sched.add(again)
+    b = sched.schedule()
+    assert (b.items[0].start, b.items[0].length) == (4, 4) and b.items[0].reaches_end
+
+
+def test_cached_pages_are_given_back_when_the_rest_does_not_fit():
+    sched, alloc = make(num_pages=4, page_size=4, chunk=16)
+    first = prompt_seq(range(1, 9), max_tokens=1)
+    sched.add(first)
+    drain(sched)
+    blocker = prompt_seq(range(100, 108), max_tokens=8)  # takes 2 pages, 3 once it decodes
+    sched.add(blocker)
+    run(sched, sched.schedule())
+    run(sched, sched.schedule())
+    assert alloc.num_free == 1
+    big = prompt_seq([*range(1, 9), *range(200, 209)])  # 2 cached pages + 3 more: cannot start
+    sched.add(big)
+    b = sched.schedule()
+    assert b.kind is StepKind.DECODE and big.pages == [] and big.num_computed == 0
+    assert alloc.num_cached >= 1, "the cached prefix went back to the free list, still cached"
