@@ -20,6 +20,7 @@ class ServerProcess:
     url: str  # ".../v1"
     model: str
     log: Path
+    pid: int = 0
     returncode: int | None = None  # set once the server has been stopped
 
 
@@ -49,7 +50,7 @@ def running_server(args: list[str], log: Path, stop_timeout: float = 30) -> Iter
         line = proc.stdout.readline()  # printed once warmup is done and the socket listens
         match = SERVING_LINE.search(line)
         assert match, f"unexpected first line {line!r}; log:\n{log.read_text()[-3000:]}"
-        server = ServerProcess(match["url"], match["model"], log)
+        server = ServerProcess(match["url"], match["model"], log, pid=proc.pid)
         yield server
     finally:
         proc.send_signal(signal.SIGINT)
