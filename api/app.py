@@ -7,6 +7,9 @@
 3. Every error leaves as the OpenAI envelope (``api.errors``).
 4. ``ServerConfig`` (``api.config``) adds the API key guard, CORS, the body size cap, sampling
    defaults and served-model aliases; each app has its own Prometheus registry (``api.metrics``).
+5. A full engine queue (``EngineOverloadedError``) is a 503 with ``Retry-After``; ``Drain``
+   (``api.draining``) counts the requests in flight and refuses new ones during a graceful
+   shutdown.
 """
 
 from __future__ import annotations
@@ -16,31 +19,45 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Request, Response
 from litestar.config.cors import CORSConfig
+from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
 from api.auth import api_key_guard
 from api.config import ServerConfig
 from api.dependencies import provide_dependencies
-from api.errors import exception_handlers
+from api.draining import Drain, DrainMiddleware, retry_later_headers
+from api.errors import APIError, exception_handlers
 from api.metrics import Metrics
-from api.protocol import ModelCard
+from api.protocol import ErrorResponse, ModelCard
 from api.request_id import response_hook
 from api.routes import ROUTE_HANDLERS
 from api.routes.service import package_version
-from runtime.interface import EngineClient
+from runtime.interface import EngineClient, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
 OWNED_BY = "jax-llm-runtime"
 
 
+def _overloaded(_: Request[Any, Any, Any], exc: EngineOverloadedError) -> Response[ErrorResponse]:
+    error = APIError(503, str(exc), code="engine_overloaded")
+    return Response(error.body(), status_code=503, headers=retry_later_headers())
+
+
 def create_app(
-    engine: EngineClient, *, config: ServerConfig | None = None, debug: bool = False
+    engine: EngineClient,
+    *,
+    config: ServerConfig | None = None,
+    debug: bool = False,
+    drain: Drain | None = None,
 ) -> Litestar:
     """An OpenAI-compatible app serving ``engine``; the app owns the engine's start and shutdown.
+
+    ``drain`` is the shutdown state the server's SIGTERM handler drives (a fresh one if None).
 
     Logging is left to the caller (``api.cli`` configures it), so importing or embedding the app
     never reconfigures the process's loggers. Raises ValueError when ``config`` names served
@@ -59,6 +76,7 @@ def create_app(
         for name in names
     ]
     metrics = Metrics(engine)
+    drain = drain or Drain()
 
     @asynccontextmanager
     async def engine_lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -69,13 +87,15 @@ def create_app(
             yield
         finally:
             logger.info("shutting down engine")
-            await asyncio.to_thread(engine.shutdown)
+            await drain.shutdown_engine(engine)
 
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
         lifespan=[engine_lifespan],
         dependencies=provide_dependencies(engine, model_cards, config, metrics),
-        exception_handlers=exception_handlers(),
+        exception_handlers={**exception_handlers(), EngineOverloadedError: _overloaded},
+        middleware=[DrainMiddleware(drain)],
+        state=State({"drain": drain}),
         guards=[api_key_guard(config.api_key)] if config.api_key else [],
         before_send=[response_hook(metrics)],
         cors_config=CORSConfig(allow_origins=list(config.allowed_origins))

@@ -6,6 +6,8 @@
 3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan starts the engine (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
    is printed.
+4. SIGTERM drains (``api.server``): no new requests, up to ``--shutdown-timeout`` for those in
+   flight, the rest aborted, exit status 0. Ctrl-C stops sooner, with exit status 130.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from api.service_flags import add_service_flags, generation_config_defaults, server_config
 from runtime.config import (
+    DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_ID,
     DTYPES,
     ISQ_CHOICES,
@@ -32,7 +35,8 @@ if TYPE_CHECKING:
     from runtime.interface import EngineClient
 
 PROG = "runtime-serve"
-GRACEFUL_SHUTDOWN_S = 5
+# Drain, abort and exit within Kubernetes' default 30 s between SIGTERM and SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25
 STARTED = time.monotonic()  # module import: close enough to process start
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         type=_int_at_least(1),
         default=16,
         help="most sequences per batch (default: %(default)s)",
+    )
+    add(
+        "--max-waiting",
+        type=_int_at_least(0),
+        default=DEFAULT_MAX_WAITING,
+        help="most sequences waiting for a place in the batch; a request that would exceed it "
+        "gets a 503 with Retry-After at once; 0 = no bound (default: %(default)s)",
     )
     add(
         "--max-model-len",
@@ -195,6 +206,15 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
         help="append logs to this file instead of stderr (INFO level either way)",
     )
     add(
+        "--shutdown-timeout",
+        type=_int_at_least(0),
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, refuse new requests (503, /health 503) and give those in flight this "
+        "many seconds to finish before aborting them; then exit with status 0 (default: "
+        "%(default)s, which fits Kubernetes' default 30 s grace period)",
+    )
+    add(
         "--mock-engine",
         action="store_true",
         help="TESTING AID: serve a deterministic mock engine (no model, no weights) that echoes "
@@ -223,6 +243,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         weight_file=args.weight_file,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         kvcache_mem_mb=args.kvcache_mem_mb,
         page_size=args.page_size,
@@ -251,42 +272,21 @@ def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
         return MockEngine(
             model_name=config.served_model_name or config.model_id,
             max_model_len=config.max_model_len or 2048,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting=config.max_waiting,
         )
     from runtime.builder import build_engine
 
     return build_engine(config)
 
 
-def _serve(engine: EngineClient, host: str, port: int, server: ServerConfig) -> bool:
-    """Run uvicorn until interrupted; False when the app failed to start (engine startup error)."""
-    import uvicorn
+def _serve(
+    engine: EngineClient, host: str, port: int, server: ServerConfig, shutdown_timeout_s: int
+) -> bool:
+    """Run uvicorn until SIGTERM or Ctrl-C; False when the app failed to start (engine error)."""
+    from api.server import serve
 
-    from api.app import create_app
-
-    class AnnouncingServer(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:
-                bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
-                ready = time.monotonic() - STARTED
-                line = (
-                    f"Serving {engine.model_name} on http://{bound_host}:{bound_port}/v1 "
-                    f"(ready in {ready:.1f}s)"
-                )
-                logger.info(line)
-                print(line, flush=True)
-
-    config = uvicorn.Config(
-        create_app(engine, config=server),
-        host=host,
-        port=port,
-        log_level="info",
-        log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    uvicorn_server = AnnouncingServer(config)
-    uvicorn_server.run()
-    return uvicorn_server.started
+    return serve(engine, host, port, server, shutdown_timeout_s, STARTED)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -316,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        return 0 if _serve(engine, args.host, args.port, server) else 1
+        started = _serve(engine, args.host, args.port, server, args.shutdown_timeout)
+        return 0 if started else 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
 

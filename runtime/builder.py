@@ -142,5 +142,12 @@ def build_engine(config: EngineConfig) -> Engine:
     if spec.hidden_states is not None:
         embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
     return Engine(
-        runner, scheduler, tokenizer, name, max_model_len, seed=config.seed, embedder=embedder
+        runner,
+        scheduler,
+        tokenizer,
+        name,
+        max_model_len,
+        seed=config.seed,
+        embedder=embedder,
+        max_waiting=config.max_waiting,
     )

@@ -12,12 +12,20 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8*: e4m3 + row scales
 MATMUL_DTYPES = ("auto", "bfloat16")  # quantized projections' operands; auto: the model dtype
+DEFAULT_MAX_WAITING = 256
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine.
 
+    max_waiting bounds the sequences admitted beyond the max_num_seqs that run at once: past it a
+    request is refused with ``EngineOverloadedError`` instead of queued (0: no bound).
     kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
     model's context length, capped by what the cache can hold. prefill_chunk_size is the most
     prompt tokens one step processes for one sequence (chunked prefill). decode_steps is how many
@@ -34,6 +42,7 @@ class EngineConfig:
     weight_file: str | None = None
     dtype: str = "auto"
     max_num_seqs: int = 16
+    max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int | None = None
     kvcache_mem_mb: int = 1024
     page_size: int = 16
@@ -54,6 +63,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check_at_least("max_waiting (0: no bound)", self.max_waiting, 0)
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.kvcache_mem_mb < 1:

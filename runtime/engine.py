@@ -25,6 +25,7 @@ import numpy as np
 
 from runtime.compiled_shapes import CompiledShapes
 from runtime.embedder import EmbeddingRunner, ForwardJob, Pooling
+from runtime.interface import EngineOverloadedError
 from runtime.model_runner import ModelRunner
 from runtime.request import (
     FinishReason,
@@ -63,6 +64,7 @@ class Engine:
         max_model_len: int,
         seed: int = 0,
         embedder: EmbeddingRunner | None = None,
+        max_waiting: int = 0,
     ) -> None:
         self.runner = runner
         self.embedder = embedder
@@ -70,6 +72,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_waiting = max_waiting  # sequences admitted past max_num_seqs; 0: no bound
+        self._admission = threading.Lock()  # the admission check and its streams, together
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -168,7 +172,9 @@ class Engine:
         the prompt, the others start on its pages (shared by reference count).
 
         Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``. The sequences are
-        queued at once; closing a stream before it finished aborts that sequence only.
+        queued at once; closing a stream before it finished aborts that sequence only. Raises
+        EngineOverloadedError, queueing nothing, when they would make more than ``max_waiting``
+        sequences wait for a slot.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -176,19 +182,25 @@ class Engine:
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        seqs = [
-            Sequence(
-                rid, list(prompt_token_ids), sampling, self._seed(sampling, i), self._next_arrival()
-            )
-            for i, rid in enumerate(ids)
-        ]
-        seqs[0].forks = seqs[1:]
-        # Streams exist before the loop thread sees the sequences, so no token can be missed.
         loop = asyncio.get_running_loop()
-        streams = []
-        for seq in seqs:
-            self._streams[seq.request_id] = _Stream(loop, asyncio.Queue())
-            streams.append(self._deltas(seq))
+        with self._admission:
+            self._admit(n)
+            seqs = [
+                Sequence(
+                    rid,
+                    list(prompt_token_ids),
+                    sampling,
+                    self._seed(sampling, i),
+                    self._next_arrival(),
+                )
+                for i, rid in enumerate(ids)
+            ]
+            seqs[0].forks = seqs[1:]
+            # Streams exist before the loop thread sees the sequences, so no token can be missed.
+            streams = []
+            for seq in seqs:
+                self._streams[seq.request_id] = _Stream(loop, asyncio.Queue())
+                streams.append(self._deltas(seq))
         self._post("add", seqs[0])
         return streams
 
@@ -214,6 +226,14 @@ class Engine:
                 f"you requested {requested} tokens ({len(prompt)} in the messages, "
                 f"{sampling.max_tokens} in the completion). Please reduce the length of the "
                 "messages or completion."
+            )
+        # Beyond the whole KV cache a sequence would wait for pages forever.
+        page_size, num_pages = self.scheduler.page_size, self.scheduler.allocator.num_pages
+        if -(-requested // page_size) > num_pages:
+            raise ValueError(
+                f"The KV cache holds {num_pages * page_size} tokens in all; you requested "
+                f"{requested} tokens ({len(prompt)} in the messages, {sampling.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion."
             )
 
     def _next_arrival(self) -> int:
@@ -314,6 +334,27 @@ class Engine:
         if out.finish_reason is not None:
             del self._streams[request_id]
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    # -- admission -----------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        """Unfinished sequences beyond the ``max_num_seqs`` that can run at once: the ones that
+        wait for a slot, posted or queued. Any thread (``len`` of a dict is atomic)."""
+        return max(0, len(self._streams) - self.scheduler.max_num_seqs)
+
+    def _admit(self, n: int) -> None:
+        """Refuse ``n`` more sequences when no free queue could ever hold them (a ValueError) or
+        this one cannot now (EngineOverloadedError). Call holding ``_admission``."""
+        if not self.max_waiting:
+            return
+        room = self.scheduler.max_num_seqs + self.max_waiting
+        if n > room:
+            raise SamplingFieldError(
+                "n",
+                f"n={n} sequences can never be admitted: this server holds {room} at most "
+                f"({self.scheduler.max_num_seqs} running, {self.max_waiting} waiting)",
+            )
+        if len(self._streams) + n > room:
+            raise EngineOverloadedError(self.num_waiting(), self.max_waiting)
 
 
 class _RequestStream:

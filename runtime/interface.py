@@ -5,6 +5,8 @@
 3. The returned async iterator yields ``GenerationDelta``s on the caller's event loop; the last one
    carries a ``finish_reason``. Leaving the iterator early (client gone) aborts the request and
    frees its pages.
+4. An engine bounds its queue: past ``max_num_seqs`` running and ``max_waiting`` waiting sequences,
+   ``generate`` raises ``EngineOverloadedError`` at once instead of queueing (HTTP 503).
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ import numpy as np
 from runtime.embedder import Pooling
 from runtime.request import GenerationDelta, SamplingParams, TokenLogprobs
 from runtime.stats import EngineStats
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full, so the request was not queued; retry later."""
+
+    def __init__(self, num_waiting: int, max_waiting: int) -> None:
+        super().__init__(
+            f"The server is overloaded: {num_waiting} sequences already wait for a slot "
+            f"(max_waiting={max_waiting}). Retry later."
+        )
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
 
 
 class TokenizerLike(Protocol):
@@ -72,7 +86,8 @@ class EngineClient(Protocol):
         """Submit a request; yield its deltas on the running event loop until it finishes.
 
         Raises ``ValueError`` (before yielding anything) when the prompt cannot be served, e.g.
-        it is empty or longer than ``max_model_len``.
+        it is empty or longer than ``max_model_len``, and ``EngineOverloadedError`` when the
+        waiting queue is full.
         """
         ...
 
@@ -83,7 +98,8 @@ class EngineClient(Protocol):
 
         The engine computes the prompt once and shares its pages among the ``n`` sequences.
         Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``; each finishes (or is
-        aborted by closing it) on its own. Raises ``ValueError`` like ``generate``.
+        aborted by closing it) on its own. Raises like ``generate``; ``n`` sequences more than
+        ``max_num_seqs`` plus ``max_waiting`` could ever hold is a ``ValueError``.
         """
         ...
 

@@ -8,6 +8,9 @@
 3. It honours ``max_tokens``, ``max_model_len``, ``stop_token_ids`` and ``ignore_eos`` like the real
    engine, and records every request and every abort (a consumer that stops iterating early) so
    tests can assert on them from any thread.
+4. It admits like the real engine: at most ``max_num_seqs`` streams produce tokens at once, the
+   others wait for a slot in arrival order, and past ``max_waiting`` waiting sequences
+   ``generate_n`` raises ``EngineOverloadedError``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import codecs
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from runtime.interface import EngineOverloadedError
 from runtime.request import (
     FinishReason,
     GenerationDelta,
@@ -99,8 +104,9 @@ class MockEngine:
     """An ``EngineClient`` that answers deterministically; see the module docstring.
 
     ``reply``: the text every request generates (before EOS); ``None`` echoes the prompt's text
-    (a chat's last user message) reversed. ``token_delay_s``: the pause before each delta, so streams interleave and can be
-    interrupted.
+    (a chat's last user message) reversed. ``token_delay_s``: the pause before each delta, so
+    streams interleave and can be interrupted. ``max_num_seqs`` and ``max_waiting`` (0: no bound)
+    as in ``runtime.config.EngineConfig``.
     """
 
     def __init__(
@@ -109,11 +115,17 @@ class MockEngine:
         max_model_len: int = 2048,
         reply: str | None = None,
         token_delay_s: float = 0.001,
+        max_num_seqs: int = 16,
+        max_waiting: int = 0,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if token_delay_s < 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
+        if max_num_seqs < 1 or max_waiting < 0:
+            raise ValueError(
+                f"max_num_seqs must be >= 1 and max_waiting >= 0, got {max_num_seqs}, {max_waiting}"
+            )
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = MockTokenizer()
@@ -125,7 +137,11 @@ class MockEngine:
         self._unhealthy = False
         self._stopping = False
         self._changed = threading.Condition()
-        self.num_running = 0  # streams between their first and last delta
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.num_running = 0  # streams holding one of the max_num_seqs slots
+        self._num_admitted = 0  # streams handed out and not yet finished or closed
+        self._queue: deque[object] = deque()  # streams iterated and waiting for a slot, in order
 
     def start(self) -> None:
         """Mark the engine as serving."""
@@ -142,8 +158,12 @@ class MockEngine:
         return self.started and not self._unhealthy
 
     def stats(self) -> EngineStats:
-        """Running streams; the mock has no queue and no KV cache, so those counts are 0."""
-        return EngineStats(self.num_running, 0, 0, 0, 0)
+        """Running and waiting streams; the mock has no KV cache, so those counts are 0."""
+        return EngineStats(self.num_running, self.num_waiting(), 0, 0, 0)
+
+    def num_waiting(self) -> int:
+        """Unfinished streams beyond the ``max_num_seqs`` that can run at once."""
+        return max(0, self._num_admitted - self.max_num_seqs)
 
     def mark_unhealthy(self) -> None:
         """Make ``healthy()`` return False (to test the health route)."""
@@ -176,15 +196,20 @@ class MockEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})")
 
-    async def generate(
+    def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationDelta]:
         """Yield one delta per generated token; see ``EngineClient.generate``.
 
-        Raises ValueError before the first delta when the prompt is empty, too long or holds ids
-        outside the vocabulary. Leaving the iteration early records ``request_id`` in ``aborted``.
+        Raises ValueError when the prompt is empty, too long or holds ids outside the vocabulary,
+        EngineOverloadedError when the waiting queue is full. Leaving the iteration early records
+        ``request_id`` in ``aborted``.
         """
-        self._validate(prompt_token_ids)
+        return self.generate_n(prompt_token_ids, sampling, request_id, 1)[0]
+
+    async def _run(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> AsyncGenerator[GenerationDelta, None]:
         bad_bias = [t for t, _ in sampling.logit_bias if t >= VOCAB_SIZE]
         if bad_bias:
             raise SamplingFieldError(
@@ -195,9 +220,13 @@ class MockEngine:
         reply = self._reply_ids(prompt_token_ids)
         limit = min(sampling.max_tokens, self.max_model_len - num_prompt)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        finished = False
-        self.num_running += 1
+        finished = running = False
         try:
+            running = await self._wait_for_slot()
+            if not running:  # shut down while waiting
+                finished = True
+                yield GenerationDelta((), "", num_prompt, 0, FinishReason.ABORT)
+                return
             for step in range(limit):
                 await asyncio.sleep(self.token_delay_s)
                 if self._stopping:
@@ -216,7 +245,8 @@ class MockEngine:
                 if finished:
                     return
         finally:
-            self.num_running -= 1
+            if running:
+                self.num_running -= 1
             if not finished:
                 self._record_abort(request_id)
 
@@ -227,9 +257,32 @@ class MockEngine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self._validate(prompt_token_ids)
-        if n == 1:
-            return [self.generate(prompt_token_ids, sampling, request_id)]
-        return [self.generate(prompt_token_ids, sampling, f"{request_id}-{i}") for i in range(n)]
+        room = self.max_num_seqs + self.max_waiting
+        if self.max_waiting and n > room:
+            raise SamplingFieldError("n", f"n={n} sequences can never be admitted: {room} at most")
+        if self.max_waiting and self._num_admitted + n > room:
+            raise EngineOverloadedError(self.num_waiting(), self.max_waiting)
+        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        self._num_admitted += n
+        return [_Admitted(self, self._run(prompt_token_ids, sampling, rid)) for rid in ids]
+
+    async def _wait_for_slot(self) -> bool:
+        """Take a running slot once the streams iterated earlier have theirs; False when the
+        engine shuts down first."""
+        ticket = object()
+        self._queue.append(ticket)
+        try:
+            while self._queue[0] is not ticket or self.num_running >= self.max_num_seqs:
+                if self._stopping:
+                    return False
+                await asyncio.sleep(max(self.token_delay_s, 0.001))
+        finally:
+            self._queue.remove(ticket)
+        self.num_running += 1
+        return True
+
+    def _release(self) -> None:
+        self._num_admitted -= 1
 
     async def prompt_logprobs(
         self, prompt_token_ids: list[int], top: int
@@ -261,6 +314,40 @@ class MockEngine:
         with self._changed:
             self.aborted.append(request_id)
             self._changed.notify_all()
+
+
+class _Admitted:
+    """A stream that holds its place in the mock's admission count until its last delta, its
+    end, or ``aclose`` (also when it was never iterated)."""
+
+    def __init__(self, engine: MockEngine, deltas: AsyncGenerator[GenerationDelta, None]) -> None:
+        self._engine = engine
+        self._deltas = deltas
+        self._held = True
+
+    def __aiter__(self) -> _Admitted:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        try:
+            delta = await anext(self._deltas)
+        except BaseException:
+            self._release()
+            raise
+        if delta.finish_reason is not None:
+            self._release()
+        return delta
+
+    async def aclose(self) -> None:
+        try:
+            await self._deltas.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._engine._release()
 
 
 def _next_token(reply: list[int], step: int, sampling: SamplingParams) -> int:

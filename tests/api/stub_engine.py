@@ -1,0 +1,97 @@
+"""A real ``Engine`` (loop thread, scheduler, page allocator, streams) over a scripted runner.
+
+There is no model and nothing to compile, so tests of admission, draining and engine death run
+the engine's own code paths in milliseconds. Every step samples the same byte token for every
+sequence, so a request runs until ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from runtime.engine import Engine
+from runtime.mock_engine import EOS_ID, VOCAB_SIZE, MockTokenizer
+from runtime.model_runner import StepResult
+from runtime.page_allocator import PageAllocator
+from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.tokenizer import IncrementalDecoder
+
+TOKEN = ord("x")
+
+
+class StubTokenizer(MockTokenizer):
+    """The mock's byte-level tokenizer plus the incremental decoder the engine's streams use."""
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)  # type: ignore[arg-type]
+
+
+class _NothingToCompile:
+    def compile_now(self, keys: list[Any]) -> float:
+        return 0.0
+
+    def compile_each(self, keys: list[Any], stop: threading.Event) -> int:
+        return 0
+
+
+class StubRunner:
+    """Stands in for ``ModelRunner``: each call sleeps ``step_s`` and samples ``TOKEN``.
+
+    ``gate``: calls wait while it is clear (to hold sequences in place). ``fail``: once set, the
+    next call raises, which kills the engine loop. ``batch_sizes`` and ``seen`` record what ran.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.compiled = _NothingToCompile()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = threading.Event()
+        self.batch_sizes: list[int] = []
+        self.seen: set[str] = set()
+
+    def startup_shapes(self) -> tuple[list[Any], list[Any]]:
+        return [], []
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        if not self.gate.wait(timeout=30):
+            raise TimeoutError("the test left StubRunner.gate closed")
+        time.sleep(self.step_s)
+        if self.fail.is_set():
+            raise RuntimeError("injected runner failure")
+        self.batch_sizes.append(len(batch.items))
+        self.seen.update(item.seq.request_id for item in batch.items)
+        return StepResult([[TOKEN] * batch.num_steps for _ in batch.items])
+
+
+def stub_engine(
+    *,
+    max_num_seqs: int = 4,
+    max_waiting: int = 0,
+    num_pages: int = 64,
+    page_size: int = 16,
+    max_model_len: int = 512,
+    step_s: float = 0.002,
+) -> tuple[Engine, StubRunner]:
+    """An unstarted engine over a ``StubRunner`` (``start()`` returns at once)."""
+    runner = StubRunner(step_s)
+    scheduler = Scheduler(
+        PageAllocator(num_pages, page_size),
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_chunk_size=64,
+        eos_token_ids=[EOS_ID],
+    )
+    engine = Engine(
+        runner,  # type: ignore[arg-type]
+        scheduler,
+        StubTokenizer(),
+        "stub-model",
+        max_model_len,
+        max_waiting=max_waiting,
+    )
+    return engine, runner
