@@ -25,6 +25,11 @@ serve *ARGS: setup
 test *ARGS: setup
     {{venv}}/bin/pytest {{ARGS}}
 
+# The soak test alone, printing its figures: 300 requests at concurrency 32 with forced preemption
+# and client disconnects (it also runs as part of `just test`).
+soak: setup
+    {{venv}}/bin/pytest -s tests/e2e/test_soak.py
+
 # Lint and check formatting.
 lint: setup
     {{venv}}/bin/ruff check .
