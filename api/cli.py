@@ -187,6 +187,19 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         default=0,
         help="seed of the engine's sampling random stream (default: %(default)s)",
     )
+    add(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached K/V of full pages whose tokens match an earlier request's prefix "
+        "(--no-prefix-cache computes every prompt in full; default: on)",
+    )
+    add(
+        "--debug-fill-freed-pages",
+        action="store_true",
+        help="DEBUGGING AID: fill every KV page with NaN when it is handed to a new owner, so "
+        "that a read of another request's stale K/V shows as a non-finite output (slower)",
+    )
 
 
 def _add_server_flags(group: argparse._ArgumentGroup) -> None:
@@ -253,6 +266,8 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         matmul_dtype=args.matmul_dtype,
         seed=args.seed,
+        prefix_cache=args.prefix_cache,
+        debug_fill_freed_pages=args.debug_fill_freed_pages,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )
 

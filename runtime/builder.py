@@ -128,14 +128,17 @@ def build_engine(config: EngineConfig) -> Engine:
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
     )
+    allocator = PageAllocator(num_pages, config.page_size)
+    allocator.track_fresh = config.debug_fill_freed_pages
     scheduler = Scheduler(
-        PageAllocator(num_pages, config.page_size),
+        allocator,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         prefill_chunk_size=config.prefill_chunk_size,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
         prefill_lens=plan.prefill_lens,
+        prefix_cache=config.prefix_cache,
     )
     name = config.served_model_name or files.name
     embedder = None

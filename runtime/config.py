@@ -36,6 +36,9 @@ class EngineConfig:
     token and KV head; "auto" stores them in the model dtype. matmul_dtype "bfloat16" multiplies
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
     models.layers.linear); "auto" multiplies in the model dtype.
+    prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
+    match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
+    handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -55,6 +58,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     matmul_dtype: str = "auto"
     served_model_name: str | None = None
+    prefix_cache: bool = True
+    debug_fill_freed_pages: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_id:

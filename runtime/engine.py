@@ -156,6 +156,9 @@ class Engine:
             num_pages_total=scheduler.allocator.num_pages,
             num_pages_free=scheduler.allocator.num_free,
             num_preemptions=scheduler.num_preemptions,
+            num_prefix_cache_queries=scheduler.num_cache_queried_tokens,
+            num_prefix_cache_hits=scheduler.num_cache_hit_tokens,
+            num_pages_cached=scheduler.allocator.num_cached,
         )
 
     # -- requests ----------------------------------------------------------------------------
@@ -305,6 +308,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return
+        fresh = self.scheduler.allocator.take_fresh()  # empty unless --debug-fill-freed-pages
+        if fresh:
+            self.runner.fill_pages(fresh)
         result = self.runner.run(batch)
         before = {id(item.seq): len(item.seq.output_ids) for item in batch.items}
         for seq in self.scheduler.update(batch, result.token_ids):
@@ -396,6 +402,7 @@ class _RequestStream:
             text=text,
             num_prompt_tokens=len(self._seq.prompt_ids),
             num_output_tokens=self._num_output,
+            num_cached_tokens=self._seq.num_cached_tokens,
             finish_reason=out.finish_reason,
             logprobs=tuple(out.logprobs),
         )

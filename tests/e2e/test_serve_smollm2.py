@@ -98,3 +98,15 @@ def test_completions_models_and_health(client: openai.OpenAI, server: str) -> No
     assert text.choices[0].text and text.usage.completion_tokens <= 8
     assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
     assert httpx.get(server.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_the_same_answer(client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "system", "content": "You answer questions about gardening in one sentence. " * 4},
+        {"role": "user", "content": "When should I plant tulip bulbs?"},
+    ]
+    first, second = ask(client, messages), ask(client, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens
+    assert second.choices[0].message.content == first.choices[0].message.content
