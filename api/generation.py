@@ -64,8 +64,12 @@ def _usage(delta: GenerationDelta, timing: RequestTiming) -> Usage:
 
 def _aborted() -> APIError:
     return APIError(
-        503, "The request was aborted because the engine is shutting down.", code="engine_aborted"
+        503, "The request was aborted because the engine stopped.", code="engine_aborted"
     )
+
+
+def _failed() -> APIError:
+    return APIError(500, "The server had an error while processing the request.")
 
 
 async def _close(deltas: AsyncIterator[GenerationDelta]) -> None:
@@ -128,6 +132,8 @@ class Generation:
                     return
                 if delta.finish_reason is FinishReason.ABORT:
                     raise _aborted()
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise _failed()
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason.value
                     usage = self._finished(delta, reason)

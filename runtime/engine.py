@@ -26,7 +26,7 @@ import numpy as np
 from runtime.compiled_shapes import CompiledShapes
 from runtime.embedder import EmbeddingRunner, ForwardJob, Pooling
 from runtime.interface import EngineOverloadedError
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, StepResult
 from runtime.request import (
     FinishReason,
     GenerationDelta,
@@ -35,7 +35,7 @@ from runtime.request import (
     StepOutput,
     TokenLogprobs,
 )
-from runtime.scheduler import Scheduler
+from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
 
@@ -311,13 +311,50 @@ class Engine:
         fresh = self.scheduler.allocator.take_fresh()  # empty unless --debug-fill-freed-pages
         if fresh:
             self.runner.fill_pages(fresh)
-        result = self.runner.run(batch)
+        try:
+            result = self.runner.run(batch)
+        except Exception as exc:
+            self._isolate_failure(batch, exc)
+        else:
+            self._publish(batch, result)
+        self.num_steps += 1
+
+    def _publish(self, batch: ScheduledBatch, result: StepResult) -> None:
         before = {id(item.seq): len(item.seq.output_ids) for item in batch.items}
         for seq in self.scheduler.update(batch, result.token_ids):
             logprobs = result.logprobs_for(seq.request_id)
             new_tokens = seq.output_ids[before[id(seq)] :]
             self._send(seq.request_id, StepOutput(new_tokens, seq.finish_reason, logprobs))
-        self.num_steps += 1
+
+    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step raised: fail the requests whose work raises on its own, serve the others.
+
+        Each sequence of a batch runs alone once; the ones that still raise end with
+        ``FinishReason.ERROR``. When the step had consumed the donated KV cache no sequence can
+        go on: the loop dies (re-raising) and every client gets an error. (No count of failed
+        steps ends the loop: a client could then stop the server by repeating a bad request.)
+        """
+        if self.runner.cache_lost():
+            raise exc
+        logger.exception("a step of %d sequences failed", len(batch.items))
+        items = batch.items if len(batch.items) > 1 else ()
+        if not items:
+            self._fail(batch.items[0].seq)
+        for item in items:
+            alone = ScheduledBatch(batch.kind, (item,))
+            try:
+                result = self.runner.run(alone)
+            except Exception:
+                if self.runner.cache_lost():
+                    raise exc from None
+                logger.exception("request %s failed", item.seq.request_id)
+                self._fail(item.seq)
+            else:
+                self._publish(alone, result)
+
+    def _fail(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq.request_id, FinishReason.ERROR)
+        self._send(seq.request_id, StepOutput([], FinishReason.ERROR))
 
     def _drain_inbox(self) -> None:
         while True:

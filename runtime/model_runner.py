@@ -124,6 +124,11 @@ class ModelRunner:
             result.logprobs = _host_logprobs(batch.items, out)
         return result
 
+    def cache_lost(self) -> bool:
+        """True when a failed step had already consumed the donated KV cache: no sequence can
+        go on, so the engine must stop."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
     def fill_pages(self, pages: list[int]) -> None:
         """Set every K/V element (and row scale) of ``pages`` to NaN: the debug mode that shows a
         read of stale K/V as a non-finite output. The page list is padded to a power of two by

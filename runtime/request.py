@@ -122,7 +122,8 @@ class SamplingParams:
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # the client went away or the engine shut down
+    ABORT = "abort"  # the client went away or the engine stopped
+    ERROR = "error"  # processing this request raised; the engine serves the others on
 
 
 @dataclass(frozen=True)

@@ -92,12 +92,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """Remove a sequence wherever it is (waiting, running, or parked as a fork) and free its
         pages. Forks parked on an aborted parent are released to run on their own."""
         for seq in list(self.waiting) + self.running:
             if seq.request_id == request_id:
-                self._finish(seq, FinishReason.ABORT)
+                self._finish(seq, reason)
                 self.waiting.extendleft(reversed(seq.forks))
                 seq.forks = []
                 return seq
@@ -105,7 +105,7 @@ class Scheduler:
                 if fork.request_id == request_id:
                     seq.forks.remove(fork)
                     fork.status = SequenceStatus.FINISHED
-                    fork.finish_reason = FinishReason.ABORT
+                    fork.finish_reason = reason
                     return fork
         return None
 

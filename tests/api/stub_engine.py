@@ -40,7 +40,9 @@ class StubRunner:
     """Stands in for ``ModelRunner``: each call sleeps ``step_s`` and samples ``TOKEN``.
 
     ``gate``: calls wait while it is clear (to hold sequences in place). ``fail``: once set, the
-    next call raises, which kills the engine loop. ``batch_sizes`` and ``seen`` record what ran.
+    next call raises as if the device had failed with the cache donated, which kills the engine
+    loop. ``fail_prompt``: a call raises (cache intact) while a sequence whose prompt ends so is in
+    the batch, a failure of that request alone. ``batch_sizes`` and ``seen`` record what ran.
     """
 
     vocab_size = VOCAB_SIZE
@@ -51,8 +53,12 @@ class StubRunner:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = threading.Event()
+        self.fail_prompt: list[int] | None = None
         self.batch_sizes: list[int] = []
         self.seen: set[str] = set()
+
+    def cache_lost(self) -> bool:
+        return self.fail.is_set()
 
     def startup_shapes(self) -> tuple[list[Any], list[Any]]:
         return [], []
@@ -63,6 +69,9 @@ class StubRunner:
         time.sleep(self.step_s)
         if self.fail.is_set():
             raise RuntimeError("injected runner failure")
+        poison = self.fail_prompt
+        if poison and any(item.seq.prompt_ids[-len(poison) :] == poison for item in batch.items):
+            raise ValueError("injected failure of one request")
         self.batch_sizes.append(len(batch.items))
         self.seen.update(item.seq.request_id for item in batch.items)
         return StepResult([[TOKEN] * batch.num_steps for _ in batch.items])
