@@ -14,7 +14,9 @@ from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from runtime.interface import TokenizerLike
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+# Set by the server itself; ``template`` is the template argument of
+# ``runtime.chat_template.render_chat_template``, which receives the kwargs as keywords.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "template"})
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -34,7 +36,7 @@ async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest)
     doubled BOS.
     """
     kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise bad_request(
             f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
@@ -60,8 +62,24 @@ async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest)
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
 
 
+async def check_token_ids(
+    tokenizer: TokenizerLike, token_ids: list[int], param: str, code: str
+) -> None:
+    """400 (``code``, naming ``param``) for ids outside the tokenizer's vocabulary.
+
+    ``decode`` raises ValueError for such ids (``runtime.tokenizer.Tokenizer.decode``), so it is
+    the check; the engine would otherwise read past its embedding table, or fail to pack an id
+    past int32 and stop serving everyone.
+    """
+    try:
+        await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=False)
+    except ValueError as exc:
+        raise bad_request(f"Invalid token id in `{param}`: {exc}", param=param, code=code) from None
+
+
 async def completion_prompt_ids(tokenizer: TokenizerLike, body: CompletionRequest) -> list[int]:
-    """Text is encoded with special tokens (BOS); a list of ints is used as token ids as-is.
+    """Text is encoded with special tokens (BOS); a list of ints is used as token ids as-is,
+    once checked against the vocabulary.
 
     A list holding several prompts (batched completions) is a 400: send one prompt per request.
     """
@@ -70,7 +88,9 @@ async def completion_prompt_ids(tokenizer: TokenizerLike, body: CompletionReques
         if prompt and all(isinstance(p, int) for p in prompt):
             if any(p < 0 for p in prompt):  # type: ignore[operator]
                 raise bad_request("Token ids in `prompt` must be >= 0.", param="prompt")
-            return list(prompt)  # type: ignore[arg-type]
+            token_ids: list[int] = list(prompt)  # type: ignore[arg-type]
+            await check_token_ids(tokenizer, token_ids, "prompt", "invalid_prompt")
+            return token_ids
         if len(prompt) != 1 or not isinstance(prompt[0], str):
             raise bad_request(
                 "`prompt` must be a string, a list of token ids, or a list holding one string; "

@@ -12,20 +12,47 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from runtime.request import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_WINDOW,
+)
+
+# What one request may hold. The body size cap (``ServerConfig.max_request_body_bytes``) bounds
+# everything; these bound what costs work per generated token (every stop string is matched on
+# every delta), what the engine packs into int32 arrays, and lists a client has no reason to make
+# long. The declared limits are also the OpenAPI document's (``api.openapi``).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128  # OpenAI's limit on functions per request
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
-StopString = Annotated[str, msgspec.Meta(min_length=1)]
-MAX_STOP_STRINGS = 16
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's presence/frequency range
+Bias = Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+BiasKey = Annotated[str, msgspec.Meta(pattern="^[0-9]+$")]  # a token id (JSON keys are strings)
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 # ----------------------------------------------------------------------------------------- requests
 
 
-class TextContentPart(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
-    """``{"type": "text", "text": ...}``; other part types (images, audio) are a 400."""
+class TextContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """``{"type": "text", "text": ...}``; other part types (images, audio) are a 400.
 
+    ``type`` is a plain required field: msgspec does not require the tag of a struct that is not
+    in a union, so a tagged struct would accept a part without ``type``.
+    """
+
+    type: Literal["text"]
     text: str
 
 
@@ -44,6 +71,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return "\n".join(part.text for part in self.content)
 
 
+Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     """``include_usage``: send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
 
@@ -59,26 +89,30 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     temperature: NonNegFloat | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
     max_tokens: PositiveInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = (
+        None
+    )
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
     # Accepted only at their defaults (see the module docstring).
     n: PositiveInt | None = None
-    # Ranges are checked by runtime.request.SamplingParams (a 400 naming the field).
-    seed: int | None = None  # any int64; reduced modulo 2**32 by the engine
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # runtime.request.SamplingParams checks these too (a 400 naming the field).
+    seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None  # mod 2**32
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[BiasKey, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = (
+        None
+    )
     # vLLM / candle-vllm extensions.
-    repetition_penalty: float | None = None
-    repeat_last_n: int | None = None
-    min_p: float | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] | None = None
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=PENALTY_WINDOW)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -95,17 +129,17 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     """POST /v1/chat/completions. ``max_completion_tokens`` wins over the older ``max_tokens``."""
 
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    messages: Messages
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Reasoning models: reach the chat template as its ``enable_thinking`` variable.
     enable_thinking: bool | None = None
     thinking: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     # Accepted only at their defaults.
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -114,7 +148,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     """POST /v1/completions. ``prompt`` is text, token ids, or a list holding one text."""
 
     prompt: str | list[str | int]
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI allows 0..5
+    logprobs: TopLogprobs | None = None  # OpenAI allows 0..5
     # Accepted only at their defaults.
     echo: bool | None = None
     suffix: str | None = None
@@ -258,14 +292,16 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
-class ErrorBody(msgspec.Struct):
+class ErrorBody(msgspec.Struct, forbid_unknown_fields=True):
+    """All four keys are always sent; ``param`` names the field at fault, when there is one."""
+
     message: str
     type: str
-    param: str | None = None
-    code: str | None = None
+    param: str | None
+    code: str | None
 
 
-class ErrorResponse(msgspec.Struct):
+class ErrorResponse(msgspec.Struct, forbid_unknown_fields=True):
     """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorBody

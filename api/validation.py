@@ -18,7 +18,8 @@ from runtime.request import SamplingParams
 
 T = TypeVar("T")
 
-_LOCATION = re.compile(r"^(?P<text>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
+# "... - at `$.a[0].b`", or for a dict's key "... - at `key` in `$.logit_bias`".
+_LOCATION = re.compile(r"^(?P<text>.*?) - at (?P<key>`key` in )?`\$\.?(?P<path>[^`]*)`$", re.DOTALL)
 _NAMED_FIELD = re.compile(r"field `(?P<field>[^`]+)`")
 
 
@@ -37,13 +38,16 @@ def _split_location(message: str) -> tuple[str, str | None]:
     """msgspec's "... - at `$.a[0].b`" to ("... at `a[0].b`", "a[0].b"), naming missing fields."""
     path = ""
     text = message
+    where = "at"
     if match := _LOCATION.match(message):
-        text, path = match["text"], match["path"]
+        # msgspec writes a dict value as `[...]`; the dict (e.g. logit_bias) is the field at fault.
+        text, path = match["text"], match["path"].replace("[...]", "")
+        where = "at a key of" if match["key"] else where
     if field := _NAMED_FIELD.search(text):  # missing or unknown field: name it, not its parent
         path = f"{path}.{field['field']}" if path else field["field"]
     if not path:
         return text, None
-    return f"{text} (at `{path}`)", path
+    return f"{text} ({where} `{path}`)", path
 
 
 def check_model(requested: str | None, served: str | tuple[str, ...]) -> None:

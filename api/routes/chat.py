@@ -16,6 +16,7 @@ from api.disconnect import cancel_on_disconnect
 from api.generation import collect_all, merge_usage, start_generation
 from api.logprobs import chat_logprobs
 from api.metrics import Metrics
+from api.openapi import documented
 from api.prompts import chat_prompt_ids
 from api.protocol import (
     AssistantMessage,
@@ -79,7 +80,11 @@ class ChatChunks:
         return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    operation_class=documented(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+)
 async def create_chat_completion(
     request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
 ) -> Response[Any]:

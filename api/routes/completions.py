@@ -13,10 +13,11 @@ from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
-from api.errors import bad_request
+from api.errors import APIError, bad_request
 from api.generation import collect_all, merge_usage, start_generation
 from api.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
 from api.metrics import Metrics
+from api.openapi import documented
 from api.prompts import completion_prompt_ids
 from api.protocol import (
     Completion,
@@ -108,6 +109,8 @@ async def _echo(
         text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
     if logprobs is None:
         return Echo(text, None)
+    if not engine.healthy():  # scoring the prompt needs the engine loop
+        raise APIError(503, "The engine is not running.", code="engine_unhealthy")
     try:
         scored = await engine.prompt_logprobs(prompt_ids, logprobs)
     except ValueError as exc:
@@ -115,7 +118,11 @@ async def _echo(
     return Echo(text, echo_logprobs(engine.tokenizer, prompt_ids, scored))
 
 
-@post("/v1/completions", status_code=200)
+@post(
+    "/v1/completions",
+    status_code=200,
+    operation_class=documented(CompletionRequest, Completion, Completion),
+)
 async def create_completion(
     request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
 ) -> Response[Any]:

@@ -21,6 +21,8 @@ from litestar import Request, Response, post
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request, not_supported
+from api.openapi import documented
+from api.prompts import check_token_ids
 from api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from api.validation import check_model, decode_body
 from runtime.interface import TokenizerLike
@@ -54,6 +56,8 @@ async def _token_ids(
     tokenizer: TokenizerLike, inputs: list[str] | list[list[int]]
 ) -> list[list[int]]:
     if not inputs or not isinstance(inputs[0], str):
+        for ids in inputs:
+            await check_token_ids(tokenizer, ids, "input", "invalid_token_id")  # type: ignore[arg-type]
         return inputs  # type: ignore[return-value]
 
     def encode_all() -> list[list[int]]:
@@ -89,7 +93,11 @@ def _encode(vector: np.ndarray, normalize: bool, encoding_format: str) -> list[f
     return vector.tolist()
 
 
-@post("/v1/embeddings", status_code=200)
+@post(
+    "/v1/embeddings",
+    status_code=200,
+    operation_class=documented(EmbeddingRequest, EmbeddingResponse),
+)
 async def create_embeddings(request: Request[Any, Any, Any], engine: EngineDep) -> Response[Any]:
     """OpenAI embeddings; see ``EmbeddingRequest`` and the module docstring.
 

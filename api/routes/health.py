@@ -8,9 +8,10 @@ from litestar.datastructures import State
 
 from api.dependencies import EngineDep
 from api.errors import APIError
+from api.openapi import documented
 
 
-@get("/health", sync_to_thread=False)
+@get("/health", sync_to_thread=False, operation_class=documented())
 def health(engine: EngineDep, state: State) -> dict[str, str]:
     """``{"status": "ok"}`` when healthy; raises APIError(503) when not or while draining."""
     if state.drain.draining:

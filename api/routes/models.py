@@ -5,16 +5,17 @@ from __future__ import annotations
 from litestar import get
 
 from api.errors import APIError
+from api.openapi import documented
 from api.protocol import ModelCard, ModelList
 
 
-@get("/v1/models", sync_to_thread=False)
+@get("/v1/models", sync_to_thread=False, operation_class=documented())
 def list_models(model_cards: list[ModelCard]) -> ModelList:
     """The OpenAI model list: one card per served name, the reported name first."""
     return ModelList(data=model_cards)
 
 
-@get("/v1/models/{model:path}", sync_to_thread=False)
+@get("/v1/models/{model:path}", sync_to_thread=False, operation_class=documented())
 def retrieve_model(model: str, model_cards: list[ModelCard]) -> ModelCard:
     """The card of a served name; any other name is a 404 ``model_not_found``."""
     name = model.lstrip("/")

@@ -8,6 +8,7 @@ from typing import Any
 from litestar import Request, Response, get
 
 from api.metrics import CONTENT_TYPE, Metrics
+from api.openapi import documented
 
 DISTRIBUTION = "jax-llm-runtime"
 
@@ -20,13 +21,13 @@ def package_version() -> str:
         return "0+unknown"
 
 
-@get("/version", sync_to_thread=False)
+@get("/version", sync_to_thread=False, operation_class=documented())
 def get_version() -> dict[str, str]:
     """``{"version": "<package version>"}``."""
     return {"version": package_version()}
 
 
-@get("/metrics", sync_to_thread=False)
+@get("/metrics", sync_to_thread=False, media_type=CONTENT_TYPE, operation_class=documented())
 def get_metrics(metrics: Metrics) -> Response[bytes]:
     """Every metric of this app in the Prometheus text exposition format."""
     return Response(metrics.render(), media_type=CONTENT_TYPE)

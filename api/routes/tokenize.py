@@ -10,7 +10,7 @@ vocabulary are a 400.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from litestar import Request, post
@@ -18,10 +18,10 @@ from litestar import Request, post
 from api.config import ServerConfig
 from api.dependencies import EngineDep
 from api.errors import bad_request
-from api.protocol import ChatMessage, TokenId
+from api.openapi import documented
+from api.prompts import RESERVED_TEMPLATE_KWARGS
+from api.protocol import Messages, TokenId
 from api.validation import check_model, decode_body
-
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -30,7 +30,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -56,7 +56,7 @@ def _render(engine: EngineDep, body: TokenizeRequest) -> str:
     if body.messages is None:
         return body.prompt or ""
     kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise bad_request(
             f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
@@ -73,7 +73,7 @@ def _render(engine: EngineDep, body: TokenizeRequest) -> str:
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
 
 
-@post("/tokenize", status_code=200)
+@post("/tokenize", status_code=200, operation_class=documented(TokenizeRequest))
 async def tokenize(
     request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig
 ) -> TokenizeResponse:
@@ -96,7 +96,7 @@ async def tokenize(
     return TokenizeResponse(tokens, len(tokens), engine.max_model_len)
 
 
-@post("/detokenize", status_code=200)
+@post("/detokenize", status_code=200, operation_class=documented(DetokenizeRequest))
 async def detokenize(
     request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig
 ) -> DetokenizeResponse:
