@@ -159,7 +159,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
 
 
 class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (none exists yet)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class CompletionTokensDetails(msgspec.Struct):
