@@ -14,9 +14,39 @@ from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from runtime.interface import TokenizerLike
 
-# Set by the server itself; ``template`` is the template argument of
-# ``runtime.chat_template.render_chat_template``, which receives the kwargs as keywords.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "template"})
+# The template variables a request may set through ``chat_template_kwargs``: the switches that
+# model families' templates read (Qwen3's enable_thinking, DeepSeek's thinking, gpt-oss'
+# reasoning_effort, Llama 3's date_string, SmolLM3's custom_instructions). Everything else a
+# template sees comes from the server, and the values are scalars, so a request cannot feed a
+# template objects to walk or huge strings to multiply.
+ALLOWED_TEMPLATE_KWARGS = frozenset(
+    {"enable_thinking", "thinking", "reasoning_effort", "date_string", "custom_instructions"}
+)
+MAX_TEMPLATE_KWARG_CHARS = 4096
+
+
+def template_kwargs(requested: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of a request's ``chat_template_kwargs`` after the allow-list; else a 400."""
+    kwargs = dict(requested or {})
+    refused = sorted(set(kwargs) - ALLOWED_TEMPLATE_KWARGS)
+    if refused:
+        raise bad_request(
+            f"chat_template_kwargs may only set {', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))}; "
+            f"got {', '.join(refused)}",
+            param="chat_template_kwargs",
+        )
+    for name, value in kwargs.items():
+        if value is not None and not isinstance(value, (str, bool, int, float)):
+            raise bad_request(
+                f"chat_template_kwargs.{name} must be a string, number, boolean or null",
+                param="chat_template_kwargs",
+            )
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
+            raise bad_request(
+                f"chat_template_kwargs.{name} is longer than {MAX_TEMPLATE_KWARG_CHARS} characters",
+                param="chat_template_kwargs",
+            )
+    return kwargs
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -35,12 +65,7 @@ async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest)
     The template itself supplies the special tokens, so ``add_special_tokens=False`` avoids a
     doubled BOS.
     """
-    kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
-        )
+    kwargs = template_kwargs(body.chat_template_kwargs)
     for field in ("enable_thinking", "thinking"):
         value = getattr(body, field)
         if value is None:

@@ -217,6 +217,9 @@ class Engine:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad_id = next(t for t in prompt if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad_id} is outside the vocabulary [0, {vocab})")
         bad = [t for t, _ in sampling.logit_bias if t >= vocab]
         if bad:
             raise SamplingFieldError(

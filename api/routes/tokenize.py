@@ -19,7 +19,7 @@ from api.config import ServerConfig
 from api.dependencies import EngineDep
 from api.errors import bad_request
 from api.openapi import documented
-from api.prompts import RESERVED_TEMPLATE_KWARGS
+from api.prompts import template_kwargs
 from api.protocol import Messages, TokenId
 from api.validation import check_model, decode_body
 
@@ -55,12 +55,7 @@ def _render(engine: EngineDep, body: TokenizeRequest) -> str:
     """The text to encode: the prompt, or the rendered chat."""
     if body.messages is None:
         return body.prompt or ""
-    kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs must not set {', '.join(reserved)}", param="chat_template_kwargs"
-        )
+    kwargs = template_kwargs(body.chat_template_kwargs)
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in body.messages

@@ -18,7 +18,7 @@ from api.app import create_app
 from api.cli import _build_engine, _config_from_args, build_parser
 from runtime.config import DEFAULT_MAX_WAITING, EngineConfig
 from runtime.interface import EngineOverloadedError
-from runtime.mock_engine import MockEngine
+from runtime.mock_engine import VOCAB_SIZE, MockEngine
 from runtime.request import FinishReason, SamplingFieldError, SamplingParams
 from tests.api.conftest import assert_error, sse_chunks
 from tests.api.inprocess import app_client
@@ -129,6 +129,20 @@ async def test_a_prompt_larger_than_the_whole_kv_cache_is_refused_at_once() -> N
         # Exactly the whole cache still runs to the end.
         fits = engine.generate(list(range(1, 41)), SamplingParams(max_tokens=24), "fits")
         assert await asyncio.wait_for(drain_stream(fits), 10) is FinishReason.LENGTH
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("token_id", [-1, VOCAB_SIZE, 2**31])
+async def test_a_prompt_token_outside_the_vocabulary_is_refused_by_the_engine(token_id) -> None:
+    # The HTTP layer refuses these too; a library caller reaches the engine directly.
+    engine, _ = stub_engine()
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match=f"token id {token_id} is outside the vocabulary"):
+            engine.generate([1, token_id, 2], SamplingParams(max_tokens=2), "bad-id")
+        ok = engine.generate([1, 2], SamplingParams(max_tokens=2), "ok")
+        assert await asyncio.wait_for(drain_stream(ok), 10) is FinishReason.LENGTH
     finally:
         engine.shutdown()
 

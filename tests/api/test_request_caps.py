@@ -118,6 +118,31 @@ def test_out_of_range_values_are_400_naming_the_field(
     assert_error(chat(client, **fields), 400, param=param)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"custom_var": 1},  # not on the allow-list
+        {"messages": []},
+        {"enable_thinking": {"nested": True}},  # only scalars
+        {"date_string": "x" * 5000},
+    ],
+)
+def test_chat_template_kwargs_pass_an_allow_list_of_scalars(
+    client: Client, kwargs: dict[str, Any]
+) -> None:
+    assert_error(chat(client, chat_template_kwargs=kwargs), 400, param="chat_template_kwargs")
+
+
+def test_allowed_chat_template_kwargs_are_accepted(client: Client) -> None:
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low", "date_string": "21 Nov 2026"}
+    assert chat(client, chat_template_kwargs=kwargs).status_code == 200
+
+
+def test_a_request_supplied_chat_template_is_refused(client: Client) -> None:
+    response = chat(client, chat_template="{{ messages }}")
+    assert response.status_code == 400 and "chat_template" in response.text
+
+
 def test_tokenize_refuses_a_template_kwarg_the_server_sets(client: Client) -> None:
     body = {"messages": HELLO, "chat_template_kwargs": {"template": "x"}}
     assert_error(client.post("/tokenize", json=body), 400, param="chat_template_kwargs")
