@@ -68,7 +68,6 @@ def _is_default(value: Any, *defaults: Any) -> bool:
 
 _COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {}
 _CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: _is_default(v, {"type": "text"}),
     "tools": lambda v: not v,
     "tool_choice": lambda v: _is_default(v, "none", "auto"),
 }

@@ -25,6 +25,7 @@ import numpy as np
 
 from runtime.compiled_shapes import CompiledShapes
 from runtime.embedder import EmbeddingRunner, ForwardJob, Pooling
+from runtime.grammar import GrammarCompiler, GrammarMatcher
 from runtime.interface import EngineOverloadedError
 from runtime.model_runner import ModelRunner, StepResult
 from runtime.request import (
@@ -86,6 +87,7 @@ class Engine:
         self._seeds = random.Random(seed)
         self._error: BaseException | None = None
         self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, compile_all: bool = False) -> None:
@@ -185,6 +187,7 @@ class Engine:
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        matchers = [self._matcher(sampling.grammar) for _ in ids]
         loop = asyncio.get_running_loop()
         with self._admission:
             self._admit(n)
@@ -199,6 +202,8 @@ class Engine:
                 for i, rid in enumerate(ids)
             ]
             seqs[0].forks = seqs[1:]
+            for seq, matcher in zip(seqs, matchers, strict=True):
+                seq.matcher = matcher
             # Streams exist before the loop thread sees the sequences, so no token can be missed.
             streams = []
             for seq in seqs:
@@ -206,6 +211,20 @@ class Engine:
                 streams.append(self._deltas(seq))
         self._post("add", seqs[0])
         return streams
+
+    def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
+        """A new matcher for one sequence of a constrained request (GrammarError, a ValueError,
+        when the grammar does not compile)."""
+        if grammar is None:
+            return None
+        if self._grammars is None:
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise ValueError(f"{self.model_name}'s tokenizer cannot constrain output")
+            self._grammars = GrammarCompiler(
+                hf, self.runner.vocab_size, self.scheduler.eos_token_ids
+            )
+        return self._grammars.matcher(grammar)
 
     def _seed(self, sampling: SamplingParams, index: int) -> int:
         """The request's seed (sample ``index`` of n > 1 adds its index), else a random one."""

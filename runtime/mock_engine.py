@@ -257,6 +257,8 @@ class MockEngine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self._validate(prompt_token_ids)
+        if sampling.grammar is not None:  # its echo could not follow one
+            raise SamplingFieldError("response_format", "the mock engine cannot constrain output")
         room = self.max_num_seqs + self.max_waiting
         if self.max_waiting and n > room:
             raise SamplingFieldError("n", f"n={n} sequences can never be admitted: {room} at most")

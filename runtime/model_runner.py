@@ -98,7 +98,7 @@ class ModelRunner:
 
     def _lower(self, key: tuple[int, int, int, int]) -> Any:
         abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
-        batch, meta = abstract(_empty_inputs(*key[:3]))
+        batch, meta = abstract(_empty_inputs(*key[:3], self.vocab_size))
         weights, cache = abstract(self.weights), abstract(self.cache)
         if key[3] == 1:
             return self._step.lower(weights, cache, batch, meta)
@@ -160,7 +160,7 @@ class ModelRunner:
             page_indices[row, : len(seq.pages)] = seq.pages
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
-        return step_batch, _sampling_metadata(items, num_seqs, self.eos_token_ids)
+        return step_batch, _sampling_metadata(items, num_seqs, self.eos_token_ids, self.vocab_size)
 
 
 def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
@@ -208,10 +208,13 @@ def _multi_step(
 
 
 def _sampling_metadata(
-    items: tuple[ScheduledSeq, ...], num_seqs: int, eos_token_ids: tuple[int, ...]
+    items: tuple[ScheduledSeq, ...],
+    num_seqs: int,
+    eos_token_ids: tuple[int, ...],
+    vocab_size: int,
 ) -> SamplingMetadata:
     """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias."""
-    meta = empty_sampling_metadata(num_seqs)
+    meta = empty_sampling_metadata(num_seqs, vocab_size)
     for row, item in enumerate(items):
         seq, sp = item.seq, item.seq.sampling
         meta.temperature[row], meta.top_k[row], meta.top_p[row] = sp.temperature, sp.top_k, sp.top_p
@@ -221,6 +224,8 @@ def _sampling_metadata(
         meta.frequency_penalty[row] = sp.frequency_penalty
         meta.repetition_penalty[row] = sp.repetition_penalty
         meta.wants_logprobs[row] = sp.logprobs is not None and item.reaches_end
+        if seq.matcher is not None and item.reaches_end:
+            seq.matcher.fill_mask(meta.allowed, row)
         if sp.uses_penalties and item.reaches_end:
             n = min(sp.repeat_last_n if sp.repeat_last_n > 0 else PENALTY_WINDOW, seq.num_tokens)
             meta.history[row, PENALTY_WINDOW - n :] = seq.token_slice(
@@ -252,7 +257,9 @@ def _host_logprobs(items: tuple[ScheduledSeq, ...], out: SamplerOutput) -> dict[
     return result
 
 
-def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, SamplingMetadata]:
+def _empty_inputs(
+    num_seqs: int, q_len: int, pages: int, vocab_size: int
+) -> tuple[StepBatch, SamplingMetadata]:
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
     batch = StepBatch(
@@ -262,4 +269,4 @@ def _empty_inputs(num_seqs: int, q_len: int, pages: int) -> tuple[StepBatch, Sam
         zeros(num_seqs),
         zeros((num_seqs, pages)),
     )
-    return batch, empty_sampling_metadata(num_seqs)
+    return batch, empty_sampling_metadata(num_seqs, vocab_size)

@@ -41,6 +41,8 @@ class SamplingParams:
     ``seed`` makes sampling reproducible whatever else is batched (None: the engine picks one).
     ``logprobs``: None returns none; k >= 0 returns the sampled token's logprob and the k most
     likely alternatives (k <= ``MAX_TOP_LOGPROBS``).
+    ``grammar``: an llguidance grammar (``runtime.grammar``) the output must follow; tokens it
+    does not allow are masked before sampling, and the sequence ends when it is complete.
     """
 
     temperature: float = 1.0
@@ -59,6 +61,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

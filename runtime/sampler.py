@@ -6,11 +6,13 @@ samples do not depend on what else is in the batch. The logits go through, per r
 1. penalties over the recent-token window (``history``): repetition (prompt + output),
    presence and frequency (output only);
 2. ``bias``: logit_bias entries, plus -inf on EOS/stop tokens while ``min_tokens`` is not reached;
+   then -inf on every token a row's grammar does not allow (``allowed``, constrained decoding);
 3. logprobs are taken here (log-softmax of these processed logits) when any row asks for them;
 4. temperature, top-k, top-p, min-p, then a categorical draw (argmax for temperature 0).
 
-Every per-step input has a fixed width (``PENALTY_WINDOW``, ``BIAS_SLOTS``), so no setting
-changes a compiled shape. Steps 1 and 3 are skipped under ``lax.cond`` when no row needs them.
+Every per-step input has a fixed width (``PENALTY_WINDOW``, ``BIAS_SLOTS``, one bit per vocabulary
+entry for ``allowed``), so no setting changes a compiled shape. Step 1, the grammar mask and step 3
+are skipped under ``lax.cond`` when no row needs them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class SamplingMetadata:
     bias_ids: jax.Array  # [num_seqs, BIAS_SLOTS] int32, -1 padding
     bias_values: jax.Array  # [num_seqs, BIAS_SLOTS] float32, -inf bans
     wants_logprobs: jax.Array  # [num_seqs] bool
+    # Constrained decoding: bit t % 32 of word t // 32 is set when token t may be sampled; rows
+    # without a grammar are all ones (-1). None leaves the step without the input.
+    allowed: jax.Array | None = None  # [num_seqs, ceil(vocab / 32)] int32
 
 
 @struct.dataclass
@@ -58,9 +63,12 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [num_seqs, k] float32
 
 
-def empty_sampling_metadata(num_seqs: int) -> SamplingMetadata:
+def empty_sampling_metadata(num_seqs: int, vocab_size: int | None = None) -> SamplingMetadata:
     """Writable host (numpy) arrays of one batch bucket's sampling inputs, all padding: greedy,
-    no penalties, no bias, no logprobs."""
+    no penalties, no bias, no logprobs; with ``vocab_size``, an ``allowed`` mask of all ones."""
+    allowed = None
+    if vocab_size is not None:
+        allowed = np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32)
     return SamplingMetadata(
         temperature=np.zeros(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32),
@@ -76,12 +84,13 @@ def empty_sampling_metadata(num_seqs: int) -> SamplingMetadata:
         bias_ids=np.full((num_seqs, BIAS_SLOTS), -1, np.int32),
         bias_values=np.zeros((num_seqs, BIAS_SLOTS), np.float32),
         wants_logprobs=np.zeros(num_seqs, bool),
+        allowed=allowed,
     )
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` ([num_seqs, vocab], float32)."""
-    processed = apply_bias(apply_penalties(logits, meta), meta)
+    processed = apply_allowed(apply_bias(apply_penalties(logits, meta), meta), meta.allowed)
     greedy = _first_index(processed == jnp.max(processed, axis=-1, keepdims=True))
     all_greedy = jnp.all(meta.temperature == 0.0)
     # The filtered draw is skipped entirely when every sequence is greedy.
@@ -121,6 +130,20 @@ def apply_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     ids = jnp.where(meta.bias_ids >= 0, meta.bias_ids, vocab)
     rows = jnp.arange(num_seqs)[:, None]
     return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+
+
+def apply_allowed(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
+    """-inf for every token a row's grammar bitmask does not allow (rows of all ones: none)."""
+    if allowed is None:
+        return logits
+
+    def mask() -> jax.Array:
+        num_seqs, vocab = logits.shape
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        ok = bits.reshape(num_seqs, -1)[:, :vocab] != 0
+        return jnp.where(ok, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allowed != -1), mask, lambda: logits)
 
 
 def _with_logprobs(processed: jax.Array, tokens: jax.Array, wants: jax.Array) -> SamplerOutput:

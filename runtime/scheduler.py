@@ -17,6 +17,7 @@ sharing them is safe.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from runtime.buckets import fit_chunk
 from runtime.page_allocator import PageAllocator, page_hash
 from runtime.request import FinishReason
 from runtime.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 class StepKind(enum.Enum):
@@ -138,7 +141,7 @@ class Scheduler:
             # min_tokens bans tokens by a bias fixed for the whole call; with nothing to ban
             # (ignore_eos and no stop_token_ids) nothing changes within it.
             pending = len(seq.output_ids) < sp.min_tokens
-            if sp.logprobs is not None or sp.uses_penalties:
+            if sp.logprobs is not None or sp.uses_penalties or seq.matcher is not None:
                 return 1
             if pending and sp.banned_until_min_tokens(self.eos_token_ids):
                 return 1
@@ -176,6 +179,14 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
+        if seq.matcher is not None:
+            if not seq.matcher.accept(token):  # the mask allowed it: the matcher disagrees
+                logger.error(
+                    "%s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.error
+                )
+                return FinishReason.ERROR
+            if token in self.eos_token_ids and seq.matcher.done:
+                return FinishReason.STOP  # the grammar is complete (also with ignore_eos)
         stops = (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids
         # The sampler suppresses stop tokens before min_tokens; this guards the count anyway.
         if stops and len(seq.output_ids) > sp.min_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from runtime.grammar import GrammarMatcher
 from runtime.request import FinishReason, SamplingParams
 
 
@@ -39,6 +40,8 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int = 0
+    # Constrained decoding (``SamplingParams.grammar``): this sequence's own matcher.
+    matcher: GrammarMatcher | None = None
     # n > 1: sibling sequences parked until this one's prompt is computed, then started on its pages.
     forks: list[Sequence] = field(default_factory=list)
 

@@ -56,6 +56,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self.reasoning_markers = detect_reasoning_markers(hf_tokenizer.get_vocab(), chat_template)
 
+    @property
+    def hf(self) -> Any:
+        """The wrapped HF fast tokenizer (for libraries that take one, e.g. grammar matching)."""
+        return self._hf
+
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:
         """Build the tokenizer stored in a GGUF file. EOS ids are the file's eos/eot/eom ids."""

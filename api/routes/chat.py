@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from api.protocol import (
 )
 from api.reasoning import split_reasoning
 from api.streaming import sse_response
+from api.structured import response_format_grammar
 from api.validation import (
     build_sampling,
     check_model,
@@ -96,6 +98,7 @@ async def create_chat_completion(
     body = decode_body(await request.body(), ChatCompletionRequest)
     check_model(body.model, config.model_names(engine.model_name))
     check_supported(body)
+    grammar = response_format_grammar(body.response_format)  # a bad schema is a 400 here
     body = with_sampling_defaults(body, config.sampling_defaults)
     prompt_ids = await chat_prompt_ids(engine.tokenizer, body)
     requested = body.max_completion_tokens or body.max_tokens
@@ -105,7 +108,7 @@ async def create_chat_completion(
         engine.max_model_len,
         "messages",
     )
-    sampling = build_sampling(body, max_tokens)
+    sampling = dataclasses.replace(build_sampling(body, max_tokens), grammar=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = resolve_n(body.n, config.max_n)
