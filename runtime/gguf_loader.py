@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from runtime.gguf_reader import (
     dequantize_tensor,
     raw_rows,
     read_gguf_header,
+    short_repr,
 )
 from runtime.gguf_tensors import TensorRule, plan_tensors
 
@@ -80,7 +81,9 @@ def load_gguf_checkpoint(path: Path) -> Checkpoint:
     try:
         spec = ARCHS.get(arch) if isinstance(arch, str) else None
         if spec is None:
-            raise GGUFError(f"architecture {arch!r} is not supported ({', '.join(ARCHS)} are)")
+            raise GGUFError(
+                f"architecture {short_repr(arch)} is not supported ({', '.join(ARCHS)} are)"
+            )
         model = GGUFModel(
             arch=arch,
             metadata=metadata,
@@ -101,12 +104,10 @@ def load_gguf_checkpoint(path: Path) -> Checkpoint:
 
 def _read_shards(path: Path) -> list[_Shard]:
     first = _Shard(path, read_gguf_header(path))
-    count = first.header.metadata.get("split.count", 1)
-    if not isinstance(count, int) or count < 1:
-        raise GGUFError(f"{path}: split.count must be a positive integer, got {count!r}")
+    count = _split_int(path, first.header.metadata, "split.count", default=1, minimum=1)
     if count == 1:
         return [first]
-    number = first.header.metadata.get("split.no")
+    number = _split_int(path, first.header.metadata, "split.no")
     match = SHARD_NAME.fullmatch(path.name)
     if match is None or int(match["count"]) != count:
         raise GGUFError(
@@ -125,7 +126,8 @@ def _read_shards(path: Path) -> list[_Shard]:
                 f"shards next to {path.name}"
             )
         header = read_gguf_header(shard)
-        if (header.metadata.get("split.no"), header.metadata.get("split.count")) != (no - 1, count):
+        split = [_split_int(shard, header.metadata, key) for key in ("split.no", "split.count")]
+        if split != [no - 1, count]:
             raise GGUFError(
                 f"{shard} is not shard {no} of {count} by its split.no/split.count metadata; "
                 "the shards come from different files"
@@ -136,13 +138,25 @@ def _read_shards(path: Path) -> list[_Shard]:
 
 
 def _check_tensor_count(path: Path, shards: list[_Shard]) -> None:
-    expected = shards[0].header.metadata.get("split.tensors.count")
+    expected = _split_int(path, shards[0].header.metadata, "split.tensors.count")
     found = sum(len(shard.header.tensors) for shard in shards)
     if expected is not None and expected != found:
         raise GGUFError(
             f"{path}: split.tensors.count says {expected} tensors, the {len(shards)} shards "
             f"hold {found}; a shard is truncated or from another file"
         )
+
+
+def _split_int(
+    path: Path, metadata: Mapping[str, Any], key: str, default: int | None = None, minimum: int = 0
+) -> int | None:
+    """A ``split.*`` count or index (``default`` when absent); GGUFError unless an integer."""
+    value = metadata.get(key, default)
+    if value is not None and (
+        not isinstance(value, int) or isinstance(value, bool) or value < minimum
+    ):
+        raise GGUFError(f"{path}: {key} must be an integer >= {minimum}, got {short_repr(value)}")
+    return value
 
 
 def _locate_tensors(shards: list[_Shard]) -> dict[str, tuple[Path, GGUFTensorInfo]]:
@@ -186,7 +200,10 @@ def _stream(
                 files[path] = np.memmap(path, dtype=np.uint8, mode="r")
             sources.append((files[path], info))
         qtypes = {info.qtype for _, info in sources}
-        if packed and rule.rows_only and len(qtypes) == 1 and qtypes <= DECODERS.keys():
+        packable = rule.rows_only and len(qtypes) == 1 and qtypes <= DECODERS.keys()
+        # Packing needs rows of output channels; a vector (kept F32 by llama.cpp's converter, so
+        # only an odd file quantizes one) is dequantized instead.
+        if packed and packable and all(len(info.shape) >= 2 for _, info in sources):
             (qtype,) = qtypes
             cols = sources[0][1].shape[-1]
             arrays = rule.convert([raw_rows(data, info) for data, info in sources])
