@@ -1,0 +1,779 @@
+"""Tool parsers: recorded-style replies in each format, parsed whole and streamed at random cuts.
+
+Every case is checked three ways: ``parse`` gives the expected content and calls; the stream, cut
+at random points (several seeds) and one character at a time, reassembles to exactly what
+``parse`` gives (ids aside) with well-shaped OpenAI deltas; and, for well-formed replies, no
+piece of markup ever reaches streamed content. Hypothesis then feeds arbitrary marker soup and
+generated calls to every parser.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.tool_parsers import (
+    PARSERS,
+    ContentDelta,
+    ParsedOutput,
+    StreamEvent,
+    ToolCallDelta,
+    collect,
+    parser_for_template,
+)
+
+MARKUP = {
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>", '"parameters"'),
+    "llama3_function": ("<function=", "</function>"),
+    "json": ('"name"', '"arguments"', '"tool_calls"'),
+}
+ID_PATTERN = {
+    "mistral": re.compile(r"[A-Za-z0-9]{9}"),
+    **{name: re.compile(r"call_[A-Za-z0-9]{24}") for name in MARKUP if name != "mistral"},
+}
+SEEDS = range(6)
+
+
+def chunks(text: str, seed: int | None) -> list[str]:
+    """``text`` cut at random points (seed), or into single characters (None)."""
+    if seed is None:
+        return list(text)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def check_event_shapes(parser: str, events: list[StreamEvent]) -> None:
+    """Content is non-empty; each call opens with id/name/empty arguments, in index order."""
+    opened: list[int] = []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            assert event.text
+            continue
+        wire = event.openai()
+        if event.id is not None:
+            assert event.index == len(opened), "calls are announced in index order"
+            assert ID_PATTERN[parser].fullmatch(event.id), event.id
+            assert event.name
+            assert wire == {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            opened.append(event.index)
+        else:
+            assert event.index in opened and event.arguments
+            assert wire == {"index": event.index, "function": {"arguments": event.arguments}}
+
+
+def stream(parser: str, pieces: list[str]) -> list[StreamEvent]:
+    s = PARSERS[parser]().stream()
+    events = [event for piece in pieces for event in s.feed(piece)]
+    return events + s.finish()
+
+
+def without_ids(out: ParsedOutput) -> tuple[str | None, list[tuple[str, str]]]:
+    return out.content, [(call.name, call.arguments) for call in out.tool_calls]
+
+
+def assert_stream_agrees(parser: str, text: str, clean: bool) -> ParsedOutput:
+    """Stream ``text`` at every cut plan; return ``parse(text)`` after checking they agree."""
+    parsed = PARSERS[parser]().parse(text)
+    for call in parsed.tool_calls:
+        assert ID_PATTERN[parser].fullmatch(call.id), call.id
+    for seed in [*SEEDS, None]:
+        events = stream(parser, chunks(text, seed) if text else [])
+        check_event_shapes(parser, events)
+        assert without_ids(collect(events)) == without_ids(parsed), f"seed {seed}"
+        if clean:
+            content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+            for marker in MARKUP[parser]:
+                assert marker not in content, (marker, content)
+    return parsed
+
+
+@dataclass(frozen=True)
+class Case:
+    parser: str
+    id: str
+    text: str
+    content: str | None
+    calls: list[tuple[str, str]]
+    clean: bool = True  # well-formed: no markup may reach the content
+
+
+NESTED_ARGS = json.dumps(
+    {
+        "query": "SELECT '{' || name || '}' FROM t WHERE note = \"a \\\"b\\\" }]\"",
+        "options": {"limit": [1, {"x": None}], "dry_run": False, "ratio": -1.5e-3},
+    }
+)
+UNICODE_ARGS = (
+    '{"text": "Grüße aus Köln 🌧️ — ça va?", "target": "日本語", "escaped": "\\u00e9\\ud83d\\ude00"}'
+)
+CODE_ARGS = '{"path": "a.py", "code": "def f():\\n    return {\\"a\\": [1, 2]}\\n"}'
+
+CASES = [
+    # Qwen 2.5 / 3 and Hermes: <tool_call> blocks.
+    Case(
+        "hermes",
+        "single",
+        '<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "San Francisco, CA", "unit": "celsius"}}\n</tool_call>',
+        None,
+        [("get_current_weather", '{"location": "San Francisco, CA", "unit": "celsius"}')],
+    ),
+    Case(
+        "hermes",
+        "parallel after text",
+        "I'll check both cities.\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>',
+        "I'll check both cities.",
+        [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Tokyo"}')],
+    ),
+    Case(
+        "hermes",
+        "hermes key order",
+        '<tool_call>\n{"arguments": {"symbol": "NVDA"}, "name": "get_stock_fundamentals"}\n</tool_call>',
+        None,
+        [("get_stock_fundamentals", '{"symbol": "NVDA"}')],
+    ),
+    Case(
+        "hermes",
+        "several objects in one block",
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n{"name": "b", "arguments": {"y": [2]}}\n</tool_call>',
+        None,
+        [("a", '{"x": 1}'), ("b", '{"y": [2]}')],
+    ),
+    Case(
+        "hermes",
+        "a list in the block",
+        '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"k": null}}]</tool_call>',
+        None,
+        [("a", "{}"), ("b", '{"k": null}')],
+    ),
+    Case(
+        "hermes",
+        "nested braces and quotes",
+        f'<tool_call>\n{{"name": "run_sql", "arguments": {NESTED_ARGS}}}\n</tool_call>',
+        None,
+        [("run_sql", NESTED_ARGS)],
+    ),
+    Case(
+        "hermes",
+        "unicode",
+        f'Übersetze…\n<tool_call>\n{{"name": "translate", "arguments": {UNICODE_ARGS}}}\n</tool_call>',
+        "Übersetze…",
+        [("translate", UNICODE_ARGS)],
+    ),
+    Case(
+        "hermes",
+        "markers inside argument strings",
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "</tool_call> and <tool_call> {"}}\n</tool_call>',
+        None,
+        [("echo", '{"text": "</tool_call> and <tool_call> {"}')],
+    ),
+    Case(
+        "hermes",
+        "string arguments",
+        '<tool_call>\n{"name": "f", "arguments": " {\\"a\\": 1} "}\n</tool_call>',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    Case(
+        "hermes",
+        "no arguments",
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>',
+        None,
+        [("get_time", "{}")],
+    ),
+    Case(
+        "hermes",
+        "text after the call",
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\nCalling it now.',
+        "Calling it now.",
+        [("f", "{}")],
+    ),
+    Case(
+        "hermes",
+        "text around the call",
+        'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\nDone.',
+        "Sure.\nDone.",
+        [("f", "{}")],
+    ),
+    Case(
+        "hermes",
+        "close marker cut off at the end",
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    Case("hermes", "plain prose", "The answer is 42.\n", "The answer is 42.\n", []),
+    Case(
+        "hermes",
+        "prose mentioning the marker",
+        "Wrap each call in a <tool_call> tag, like <tool_call>this</tool_call>.",
+        "Wrap each call in a <tool_call> tag, like <tool_call>this</tool_call>.",
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "prose mention, then a real call",
+        'Use <tool_call> tags.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        "Use <tool_call> tags.",
+        [("f", "{}")],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "malformed JSON",
+        'Let me see.\n<tool_call>\n{"name": "get_weather", arguments: {"city": "Paris"}}\n</tool_call>',
+        'Let me see.\n<tool_call>\n{"name": "get_weather", arguments: {"city": "Paris"}}\n</tool_call>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "single-quoted arguments",
+        '<tool_call>\n{"name": "f", "arguments": {\'city\': \'Paris\'}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {\'city\': \'Paris\'}}\n</tool_call>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "missing name",
+        '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "empty name",
+        '<tool_call>\n{"name": "  ", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "  ", "arguments": {}}\n</tool_call>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "empty block",
+        "<tool_call>\n</tool_call>",
+        "<tool_call>\n</tool_call>",
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "cut off before the name (max_tokens)",
+        '<tool_call>\n{"name": "get_wea',
+        '<tool_call>\n{"name": "get_wea',
+        [],
+        clean=False,
+    ),
+    Case(
+        "hermes",
+        "cut off in the arguments (max_tokens)",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        None,
+        [("get_weather", '{"city": "Par')],
+    ),
+    Case(
+        "hermes",
+        "missing brace before the close marker",
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    Case(
+        "hermes",
+        "unbalanced arguments closed by the marker",
+        '<tool_call>\n{"name": "f", "arguments": {"a": [1, \n</tool_call>\nok',
+        "ok",
+        [("f", '{"a": [1,')],
+    ),
+    Case(
+        "hermes",
+        "junk after a complete call",
+        '<tool_call>\n{"name": "f", "arguments": {}} extra\n</tool_call>',
+        "extra\n</tool_call>",
+        [("f", "{}")],
+        clean=False,
+    ),
+    # Mistral: [TOOL_CALLS], JSON list (v2-v7 tokenizers) or name[ARGS]{...} (v11+).
+    Case(
+        "mistral",
+        "v3 list",
+        '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", "format": "celsius"}}]',
+        None,
+        [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')],
+    ),
+    Case(
+        "mistral",
+        "v3 parallel with ids",
+        '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}, "id": "abcDEF123"}, '
+        '{"name": "b", "arguments": {"y": "z"}, "id": "ghiJKL456"}]',
+        None,
+        [("a", '{"x": 1}'), ("b", '{"y": "z"}')],
+    ),
+    Case(
+        "mistral",
+        "v11 single",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+        None,
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+    ),
+    Case(
+        "mistral",
+        "v11 parallel after text",
+        'Checking both.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}',
+        "Checking both.",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris"}')],
+    ),
+    Case(
+        "mistral",
+        "v11 with call id",
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    Case(
+        "mistral",
+        "v11 nested and code",
+        f"[TOOL_CALLS]write_file[ARGS]{CODE_ARGS}[TOOL_CALLS]run_sql[ARGS]{NESTED_ARGS}",
+        None,
+        [("write_file", CODE_ARGS), ("run_sql", NESTED_ARGS)],
+    ),
+    Case(
+        "mistral",
+        "unicode",
+        f'[TOOL_CALLS] [{{"name": "translate", "arguments": {UNICODE_ARGS}}}]',
+        None,
+        [("translate", UNICODE_ARGS)],
+    ),
+    Case(
+        "mistral",
+        "v11 cut off in the arguments",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+        None,
+        [("get_weather", '{"city": "Par')],
+    ),
+    Case(
+        "mistral",
+        "v11 broken arguments, next call still read",
+        '[TOOL_CALLS]a[ARGS]{"x": [1, 2[TOOL_CALLS]b[ARGS]{}',
+        None,
+        [("a", '{"x": [1, 2'), ("b", "{}")],
+    ),
+    Case(
+        "mistral",
+        "malformed JSON",
+        '[TOOL_CALLS] [{"name": "f", "arguments": {\'a\': 1}}]',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {\'a\': 1}}]',
+        [],
+        clean=False,
+    ),
+    Case(
+        "mistral",
+        "missing name",
+        '[TOOL_CALLS] [{"arguments": {"a": 1}}]',
+        '[TOOL_CALLS] [{"arguments": {"a": 1}}]',
+        [],
+        clean=False,
+    ),
+    Case(
+        "mistral",
+        "bad bare name",
+        '[TOOL_CALLS]get weather[ARGS]{"a": 1}',
+        '[TOOL_CALLS]get weather[ARGS]{"a": 1}',
+        [],
+        clean=False,
+    ),
+    Case(
+        "mistral",
+        "prose mentioning the marker",
+        "The [TOOL_CALLS] token starts a call.",
+        "The [TOOL_CALLS] token starts a call.",
+        [],
+        clean=False,
+    ),
+    Case("mistral", "plain prose", "Bonjour ! [1, 2] {x}", "Bonjour ! [1, 2] {x}", []),
+    # Llama 3.x: bare JSON with "parameters", maybe after <|python_tag|>, maybe several.
+    Case(
+        "llama3_json",
+        "single",
+        '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}',
+        None,
+        [("get_current_conditions", '{"location": "San Francisco, CA", "unit": "Fahrenheit"}')],
+    ),
+    Case(
+        "llama3_json",
+        "python tag and arguments key",
+        '<|python_tag|>{"name": "search", "arguments": {"query": "jax pallas"}}',
+        None,
+        [("search", '{"query": "jax pallas"}')],
+    ),
+    Case(
+        "llama3_json",
+        "parallel with semicolons",
+        '\n\n{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": {"z": "}"}}};',
+        None,
+        [("a", '{"x": 1}'), ("b", '{"y": {"z": "}"}}')],
+    ),
+    Case(
+        "llama3_json",
+        "text before the python tag",
+        f'Let me look that up.<|python_tag|>{{"name": "run_sql", "parameters": {NESTED_ARGS}}}',
+        "Let me look that up.",
+        [("run_sql", NESTED_ARGS)],
+    ),
+    Case(
+        "llama3_json",
+        "unicode",
+        f'{{"type": "function", "name": "translate", "parameters": {UNICODE_ARGS}}}',
+        None,
+        [("translate", UNICODE_ARGS)],
+    ),
+    Case(
+        "llama3_json",
+        "plain answer",
+        "The capital of France is Paris.",
+        "The capital of France is Paris.",
+        [],
+    ),
+    Case(
+        "llama3_json",
+        "JSON answer that is no call",
+        '{"name": "Alice", "age": 30}',
+        '{"name": "Alice", "age": 30}',
+        [],
+        clean=False,
+    ),
+    Case(
+        "llama3_json",
+        "built-in tool syntax",
+        '<|python_tag|>brave_search.call(query="weather in Paris")',
+        '<|python_tag|>brave_search.call(query="weather in Paris")',
+        [],
+        clean=False,
+    ),
+    Case(
+        "llama3_json",
+        "malformed JSON",
+        '{"name": "f" "parameters": {"a": 1}}',
+        '{"name": "f" "parameters": {"a": 1}}',
+        [],
+        clean=False,
+    ),
+    Case(
+        "llama3_json",
+        "missing closing brace",
+        '{"name": "f", "parameters": {"a": 1}',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    # Llama 3.1's <function=name>{...}</function> and Functionary v3.1.
+    Case(
+        "llama3_function",
+        "single",
+        '<function=spotify_trending_songs>{"n": "5"}</function>',
+        None,
+        [("spotify_trending_songs", '{"n": "5"}')],
+    ),
+    Case(
+        "llama3_function",
+        "parallel after text",
+        'Two lookups:\n<function=get_weather>{"city": "Paris"}</function>\n<function=get_weather>{"city": "Rome"}</function>',
+        "Two lookups:",
+        [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')],
+    ),
+    Case(
+        "llama3_function",
+        "close marker inside a string",
+        f'<function=echo>{{"text": "</function> {{"}}</function><function=sql>{NESTED_ARGS}</function>',
+        None,
+        [("echo", '{"text": "</function> {"}'), ("sql", NESTED_ARGS)],
+    ),
+    Case(
+        "llama3_function",
+        "unicode, close marker cut off",
+        f"<function=translate> {UNICODE_ARGS} </func",
+        None,
+        [("translate", UNICODE_ARGS)],
+    ),
+    Case(
+        "llama3_function",
+        "bad name",
+        '<function=get weather>{"a": 1}</function>',
+        '<function=get weather>{"a": 1}</function>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "llama3_function",
+        "arguments not JSON",
+        "<function=f>city=Paris</function>",
+        "<function=f>city=Paris</function>",
+        [],
+        clean=False,
+    ),
+    # Generic JSON: the whole reply is the call(s).
+    Case(
+        "json",
+        "single",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    Case(
+        "json",
+        "list",
+        f' [{{"name": "a", "arguments": {{}}}}, {{"name": "run_sql", "arguments": {NESTED_ARGS}}}]\n',
+        None,
+        [("a", "{}"), ("run_sql", NESTED_ARGS)],
+    ),
+    Case(
+        "json",
+        "tool_calls wrapper in OpenAI's shape",
+        '{"tool_calls": [{"id": "x", "type": "function", "function": {"name": "translate", '
+        '"arguments": "{\\"text\\": \\"Grüße\\"}"}}, {"name": "b", "parameters": {"k": true}}]}',
+        None,
+        [("translate", '{"text": "Grüße"}'), ("b", '{"k": true}')],
+    ),
+    Case("json", "JSON answer", '{"answer": 42}', '{"answer": 42}', [], clean=False),
+    Case("json", "list answer", "[1, 2, 3]", "[1, 2, 3]", [], clean=False),
+    Case("json", "empty list", "[]", "[]", [], clean=False),
+    Case("json", "prose", "Just text { here }.", "Just text { here }.", []),
+    Case(
+        "json",
+        "missing name",
+        '{"arguments": {"city": "Paris"}}',
+        '{"arguments": {"city": "Paris"}}',
+        [],
+        clean=False,
+    ),
+    Case(
+        "json",
+        "invalid but balanced arguments pass through",
+        '{"name": "f", "arguments": {"a": }}',
+        None,
+        [("f", '{"a": }')],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.parser}: {c.id}" for c in CASES])
+def test_recorded_outputs(case: Case) -> None:
+    parsed = assert_stream_agrees(case.parser, case.text, case.clean)
+    assert parsed.content == case.content
+    assert [(call.name, call.arguments) for call in parsed.tool_calls] == case.calls
+
+
+def test_every_parser_has_cases() -> None:
+    assert {case.parser for case in CASES} == set(PARSERS) == set(MARKUP)
+
+
+def test_arguments_stream_as_they_are_generated() -> None:
+    s = PARSERS["hermes"]().stream()
+    assert s.feed("Sure.\n<tool_") == [ContentDelta("Sure.")]
+    assert s.feed('call>\n{"name": "get_weather", "argu') == []
+    head = s.feed('ments": {"ci')
+    assert len(head) == 2 and head[0].openai()["function"] == {
+        "name": "get_weather",
+        "arguments": "",
+    }
+    assert head[1] == ToolCallDelta(0, '{"ci')
+    assert s.feed('ty": "Paris"') == [ToolCallDelta(0, 'ty": "Paris"')]
+    assert s.feed("   ") == []  # whitespace waits for what follows it
+    assert s.feed("}}\n</tool_call>") == [ToolCallDelta(0, "   }")]
+    assert s.finish() == []
+
+
+def test_held_text_is_released_when_no_marker_follows() -> None:
+    s = PARSERS["mistral"]().stream()
+    assert s.feed("See [TOOL") == [ContentDelta("See")]
+    assert s.feed("S] and more") == [ContentDelta(" [TOOLS] and more")]
+    s = PARSERS["hermes"]().stream()
+    assert s.feed("ends with <tool_ca") == [ContentDelta("ends with")]
+    assert s.finish() == [ContentDelta(" <tool_ca")]
+
+
+def test_stream_lifecycle() -> None:
+    s = PARSERS["json"]().stream()
+    assert s.feed("hi ") == [ContentDelta("hi")]
+    assert s.finish() == [ContentDelta(" ")]
+    assert s.finish() == []
+    with pytest.raises(RuntimeError, match="new stream"):
+        s.feed("more")
+
+
+def test_parsed_call_renders_as_openai_message_item() -> None:
+    call = PARSERS["hermes"]().parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    item = call.tool_calls[0].openai()
+    assert item == {
+        "id": call.tool_calls[0].id,
+        "type": "function",
+        "function": {"name": "f", "arguments": "{}"},
+    }
+
+
+def test_ids_are_fresh() -> None:
+    text = "".join(f'[TOOL_CALLS]f[CALL_ID]aaaaaaaaa[ARGS]{{"i": {i}}}' for i in range(50))
+    ids = [call.id for call in PARSERS["mistral"]().parse(text).tool_calls]
+    assert len(ids) == 50 and len(set(ids)) == 50
+
+
+# Hypothesis: arbitrary marker soup never raises and streams as it parses.
+
+SOUP = [
+    *{marker for markers in MARKUP.values() for marker in markers},
+    "<|python_tag|>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    ":",
+    ",",
+    ";",
+    ">",
+    " ",
+    "\n",
+    '"name"',
+    '"f"',
+    '"arguments"',
+    '"parameters"',
+    '"function"',
+    '"id"',
+    "{}",
+    "1",
+    "true",
+    "-2.5e3",
+    '"\\u00e9"',
+    '"\\ud800"',
+    "'",
+]
+soup_text = st.lists(st.one_of(st.sampled_from(SOUP), st.text(max_size=4)), max_size=40).map(
+    "".join
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parser=st.sampled_from(sorted(PARSERS)), text=soup_text, data=st.data())
+def test_any_text_streams_as_it_parses(parser: str, text: str, data: st.DataObject) -> None:
+    parsed = PARSERS[parser]().parse(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    events = stream(parser, pieces)
+    check_event_shapes(parser, events)
+    assert without_ids(collect(events)) == without_ids(parsed)
+    if not parsed.tool_calls:  # nothing was a call: the reply is content, verbatim
+        assert parsed.content == (text or None)
+
+
+# Hypothesis: well-formed calls in each format come back exactly.
+
+names = st.from_regex(r"[a-z_][a-z0-9_]{0,20}", fullmatch=True)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+arguments = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
+calls = st.lists(st.tuples(names, arguments), min_size=1, max_size=3)
+prose = st.text(alphabet=st.characters(blacklist_characters="<[{"), max_size=30)
+
+
+def render(parser: str, before: str, items: list[tuple[str, str]]) -> str:
+    """``items`` (name, arguments JSON) written as the model family writes them."""
+    if parser == "mistral":
+        return before + "".join(f"[TOOL_CALLS]{name}[ARGS]{args}" for name, args in items)
+    if parser == "hermes":
+        blocks = (
+            f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>' for n, a in items
+        )
+        return before + "\n".join(blocks)
+    if parser == "llama3_json":
+        objects = (f'{{"name": "{n}", "parameters": {a}}}' for n, a in items)
+        return before + "<|python_tag|>" + "; ".join(objects)
+    if parser == "llama3_function":
+        return before + "".join(f"<function={n}>{a}</function>" for n, a in items)
+    return json.dumps([{"name": n, "arguments": json.loads(a)} for n, a in items])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    parser=st.sampled_from(sorted(PARSERS)),
+    before=prose,
+    items=calls,
+    ascii_only=st.booleans(),
+    data=st.data(),
+)
+def test_generated_calls_round_trip(
+    parser: str, before: str, items: list[tuple[str, dict[str, Any]]], ascii_only: bool, data: Any
+) -> None:
+    written = [(name, json.dumps(args, ensure_ascii=ascii_only)) for name, args in items]
+    text = render(parser, "" if parser == "json" else before, written)
+    parsed = PARSERS[parser]().parse(text)
+    got = [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
+    assert got == [(name, json.loads(args)) for name, args in written]
+    if parser != "json":
+        assert parsed.content == (before.rstrip() or None)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert without_ids(collect(stream(parser, pieces))) == without_ids(parsed)
+
+
+# Template detection.
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ('{%- elif message.tool_calls %}{{- "[TOOL_CALLS][" }}{{- out[:-1] }}', "mistral"),
+        ("{{- '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}", "mistral"),
+        ('{{- \'<tool_call>\\n{"name": "\' }}{{- tool_call.name }}', "hermes"),
+        (
+            "{{- 'return a json object within <tool_call></tool_call> XML tags' }}"
+            "{%- for tool in tools %}{{ tool | tojson }}{% endfor %}",
+            "hermes",
+        ),
+        ('{{- "<|python_tag|>" + tool_call.name + ".call(" }}', "llama3_json"),
+        (
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}",
+            "llama3_json",
+        ),
+        ("{{ 'start with <function= and end with </function>' }}{% if tools %}", "llama3_function"),
+        ("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n<parameter=' }}", None),
+        ("{{ '<tool_call>' + tc.name }}{{ '<arg_key>' ~ k ~ '</arg_key>' }}", None),
+        ("{%- if tools is not none %}{{- tools | tojson }}{%- endif %}", "json"),
+        (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}",
+            None,
+        ),
+        ("{{ 'You have no tools.' }}{% for m in messages %}{{ m.content }}{% endfor %}", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_parser_for_template(template: str | None, expected: str | None) -> None:
+    assert parser_for_template(template) == expected
+    assert expected is None or expected in PARSERS
