@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.gguf_reader import GGUFError
+from runtime.gguf_reader import GGUFError, short_repr
 
 if TYPE_CHECKING:
     from runtime.gguf_archs import ArchSpec
@@ -66,7 +66,8 @@ class GGUFModel:
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
             raise GGUFError(
-                f"GGUF metadata {self.arch}.{key} must be a non-negative integer, got {value!r}"
+                f"GGUF metadata {self.arch}.{key} must be a non-negative integer, "
+                f"got {short_repr(value)}"
             )
         return value
 
@@ -74,7 +75,9 @@ class GGUFModel:
         """Like ``get``, for a number the translation computes with."""
         value = self.get(key, default)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise GGUFError(f"GGUF metadata {self.arch}.{key} must be a number, got {value!r}")
+            raise GGUFError(
+                f"GGUF metadata {self.arch}.{key} must be a number, got {short_repr(value)}"
+            )
         return value
 
     @cached_property
@@ -129,11 +132,17 @@ def build_config(spec: ArchSpec, model: GGUFModel) -> dict[str, Any]:
 
 def _one_value(key: str, value: Any) -> Any:
     # Some converters write per-layer arrays; HF configs hold one value per key.
-    if not isinstance(value, list):
-        return value
-    if value and all(v == value[0] for v in value):
-        return value[0]
-    raise GGUFError(f"GGUF metadata {key} differs between layers ({value}); this is not supported")
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise GGUFError(
+                f"GGUF metadata {key} differs between layers ({short_repr(value)}); "
+                "this is not supported"
+            )
+        value = value[0]
+    # A size of inf or NaN would overflow (or poison) whatever computes with it.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise GGUFError(f"GGUF metadata {key} must be finite, got {value}")
+    return value
 
 
 def _check_config(config: dict[str, Any]) -> None:
@@ -143,7 +152,9 @@ def _check_config(config: dict[str, Any]) -> None:
             config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
         value = config.get(key)
         if key in config and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise GGUFError(f"GGUF metadata: {key} must be a positive integer, got {value!r}")
+            raise GGUFError(
+                f"GGUF metadata: {key} must be a positive integer, got {short_repr(value)}"
+            )
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise GGUFError(
             f"GGUF metadata: {config['num_attention_heads']} attention heads are not a multiple "
@@ -173,7 +184,8 @@ def _rope_scaling(model: GGUFModel) -> dict[str, Any] | None:
         return _longrope(model)
     if kind != "yarn":
         raise GGUFError(
-            f"{model.arch}.rope.scaling.type {kind!r} is not supported (linear, yarn, longrope)"
+            f"{model.arch}.rope.scaling.type {short_repr(kind)} is not supported (linear, yarn, "
+            "longrope)"
         )
     original = model.get_int("rope.scaling.original_context_length")
     if original is None:
