@@ -14,6 +14,8 @@ from typing import Any
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+# "auto" and the names of api.tool_parsers.PARSERS (kept literal: config must not import the API).
+TOOL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "llama3_function", "json")
 
 # generation_config.json key -> SamplingDefaults field (HF transformers' names).
 _GENERATION_CONFIG_KEYS = {
@@ -98,8 +100,13 @@ class ServerConfig:
     max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    tool_parser: str = "auto"  # a name of api.tool_parsers.PARSERS, or "auto"
 
     def __post_init__(self) -> None:
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
         if any(not name for name in self.served_model_names):
             raise ValueError("served model names must not be empty")
         if len(set(self.served_model_names)) != len(self.served_model_names):

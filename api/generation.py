@@ -45,6 +45,9 @@ class TextPiece:
     reasoning: str = ""  # a reasoning model's thinking, split off by ``api.reasoning``
     # The tokens whose text this piece completes, when the request asked (``api.logprobs``).
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # Tool calls read from the text by ``api.tools``: streamed ``ToolCallDelta``s, or, in a
+    # collected reply, OpenAI's ``message.tool_calls`` items.
+    tool_calls: tuple[Any, ...] = ()
 
 
 class EngineStreamError(RuntimeError):

@@ -12,6 +12,7 @@ from typing import Any
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from api.tools import ToolRequest, template_message_tool_calls
 from runtime.interface import TokenizerLike
 
 # The template variables a request may set through ``chat_template_kwargs``: the switches that
@@ -56,16 +57,23 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = template_message_tool_calls(message.tool_calls)
     return out
 
 
-async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(
+    tokenizer: TokenizerLike, body: ChatCompletionRequest, tools: ToolRequest | None = None
+) -> list[int]:
     """Render the chat template (with the generation prompt) and encode it without BOS/EOS added.
 
     The template itself supplies the special tokens, so ``add_special_tokens=False`` avoids a
-    doubled BOS.
+    doubled BOS. ``tools`` reach the template as its ``tools`` variable, or as a system message
+    when it has none (``api.tools``).
     """
     kwargs = template_kwargs(body.chat_template_kwargs)
+    if tools is not None:
+        kwargs.update(tools.template_kwargs())
     for field in ("enable_thinking", "thinking"):
         value = getattr(body, field)
         if value is None:
@@ -75,7 +83,15 @@ async def chat_prompt_ids(tokenizer: TokenizerLike, body: ChatCompletionRequest)
                 f"`{field}` contradicts another enable_thinking setting in this request.",
                 param=field,
             )
+    for index, message in enumerate(body.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise bad_request(
+                "content is required, except in an assistant message with tool_calls",
+                param=f"messages[{index}].content",
+            )
     messages = [_template_message(m) for m in body.messages]
+    if tools is not None:
+        messages = tools.template_messages(messages)
 
     def render_and_encode() -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)

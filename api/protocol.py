@@ -56,16 +56,34 @@ class TextContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: Annotated[str, msgspec.Meta(max_length=256)]
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and renders as it."""
+    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and renders as it. An
+    assistant turn that called tools carries ``tool_calls`` (its content may be null); the tool's
+    answer comes back as a ``tool`` turn with the call's ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: Annotated[list[ToolCallParam], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
 
     def text(self) -> str:
-        """The content as one string; text parts are joined with newlines."""
+        """The content as one string; text parts are joined with newlines (none: empty)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -185,10 +203,12 @@ class AssistantMessage(msgspec.Struct):
     """``reasoning_content`` (and ``reasoning``, vLLM's newer name for the same text) hold a
     reasoning model's thinking; both are left out for other models."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
     reasoning: str | msgspec.UnsetType = msgspec.UNSET
+    # OpenAI's [{"id", "type": "function", "function": {"name", "arguments"}}]; left out when none
+    tool_calls: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(msgspec.Struct):
@@ -243,6 +263,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streamed delta.tool_calls items
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -17,6 +17,7 @@ from api.config import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_TOP_LOGPROBS,
+    TOOL_PARSERS,
     SamplingDefaults,
     ServerConfig,
 )
@@ -63,6 +64,15 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help="largest `top_logprobs` (default: %(default)s)",
     )
     add(
+        "--tool-parser",
+        choices=TOOL_PARSERS,
+        default="auto",
+        help="how tool calls are read from replies: auto = the format the chat template names "
+        "(hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for <|python_tag|>), or "
+        "json with the tools described in a system message when it names none "
+        "(default: %(default)s)",
+    )
+    add(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -105,6 +115,7 @@ def server_config(
         max_n=args.max_n,
         max_completion_tokens_cap=args.max_completion_tokens_cap,
         max_top_logprobs=args.max_top_logprobs,
+        tool_parser=args.tool_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         sampling_defaults=defaults,
     )

@@ -56,6 +56,11 @@ class ChunkFactory(Protocol):
         ``api.reasoning`` have any)."""
         ...
 
+    def tool_calls(self, calls: list[dict]) -> msgspec.Struct:
+        """A chunk carrying ``delta.tool_calls`` items (chat only: only pieces read by
+        ``api.tools`` have any)."""
+        ...
+
     def finish(self, finish_reason: str) -> msgspec.Struct:
         """The chunk carrying the finish reason."""
         ...
@@ -85,6 +90,8 @@ async def _events(
                 yield _event(chunks.reasoning(piece.reasoning))
             if piece.text or piece.logprobs:
                 yield _event(chunks.text(piece.text, piece.logprobs))
+            if piece.tool_calls:
+                yield _event(chunks.tool_calls([call.openai() for call in piece.tool_calls]))
             if piece.finish_reason is not None:
                 yield _event(chunks.finish(piece.finish_reason))
                 usages.append(piece.usage)

@@ -67,10 +67,7 @@ def _is_default(value: Any, *defaults: Any) -> bool:
 
 
 _COMMON_DEFAULTS: dict[str, Callable[[Any], bool]] = {}
-_CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: _is_default(v, "none", "auto"),
-}
+_CHAT_DEFAULTS: dict[str, Callable[[Any], bool]] = {}
 _COMPLETION_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: not v,
     "best_of": lambda v: _is_default(v, 1),

@@ -14,6 +14,7 @@ from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
+from api.errors import bad_request
 from api.generation import collect_all, merge_usage, start_generation
 from api.logprobs import chat_logprobs
 from api.metrics import Metrics
@@ -32,6 +33,7 @@ from api.protocol import (
 from api.reasoning import split_reasoning
 from api.streaming import sse_response
 from api.structured import response_format_grammar
+from api.tools import ToolCallPieces, ToolRequest
 from api.validation import (
     build_sampling,
     check_model,
@@ -75,6 +77,9 @@ class ChatChunks:
     def reasoning(self, text: str) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(reasoning_content=text, reasoning=text))
 
+    def tool_calls(self, calls: list[dict[str, Any]]) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(tool_calls=calls))
+
     def finish(self, finish_reason: str) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(), finish_reason)
 
@@ -99,8 +104,19 @@ async def create_chat_completion(
     check_model(body.model, config.model_names(engine.model_name))
     check_supported(body)
     grammar = response_format_grammar(body.response_format)  # a bad schema is a 400 here
+    tools = ToolRequest.from_body(
+        body, getattr(engine.tokenizer, "chat_template", None), config.tool_parser
+    )
+    if tools is not None and tools.choice != "auto":
+        if grammar is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with a "
+                "response_format",
+                param="tool_choice",
+            )
+        grammar = tools.grammar()
     body = with_sampling_defaults(body, config.sampling_defaults)
-    prompt_ids = await chat_prompt_ids(engine.tokenizer, body)
+    prompt_ids = await chat_prompt_ids(engine.tokenizer, body, tools)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = resolve_max_tokens(
         completion_budget(requested, len(prompt_ids), engine.max_model_len, config, None),
@@ -109,6 +125,8 @@ async def create_chat_completion(
         "messages",
     )
     sampling = dataclasses.replace(build_sampling(body, max_tokens), grammar=grammar)
+    if tools is not None:  # call markers may be special tokens: the parser must see them
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = resolve_n(body.n, config.max_n)
@@ -116,7 +134,9 @@ async def create_chat_completion(
     generations = await start_generation(
         engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
     )
-    choices = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
+    choices: list[Any] = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
+    if tools is not None:
+        choices = [ToolCallPieces(choice, tools.parser) for choice in choices]
     tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:
         factories = [
@@ -129,6 +149,9 @@ async def create_chat_completion(
         message = AssistantMessage(result.text)
         if engine.tokenizer.reasoning_markers is not None:
             message.reasoning_content = message.reasoning = result.reasoning
+        if result.tool_calls:
+            message.tool_calls = list(result.tool_calls)
+            message.content = result.text or None
         choice = ChatChoice(index, message, result.finish_reason)
         if tokenizer is not None:
             choice.logprobs = chat_logprobs(tokenizer, result.logprobs)

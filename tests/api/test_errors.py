@@ -62,19 +62,6 @@ def test_bad_fields_are_400_naming_the_param(
     assert_error(chat(client, **fields), 400, param=param)
 
 
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ],
-)
-def test_unsupported_fields_are_400_not_supported_yet(
-    client: Client, fields: dict[str, Any], param: str
-) -> None:
-    error = assert_error(chat(client, **fields), 400, param=param, code="unsupported_parameter")
-    assert "not supported yet" in error["message"]
-
-
 def test_unsupported_fields_at_their_defaults_are_accepted(client: Client) -> None:
     defaults = {
         "n": 1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +111,76 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_same_answer(client: ope
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached % 16 == 0 and first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens
     assert second.choices[0].message.content == first.choices[0].message.content
+
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+]
+WEATHER_QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "expected"),
+    [("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")],
+)
+def test_a_forced_tool_call_is_a_valid_call(client: openai.OpenAI, tool_choice, expected) -> None:
+    import jsonschema
+
+    reply = ask(client, WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice=tool_choice)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER_TOOLS}
+    assert call.function.name in schemas and (expected is None or call.function.name == expected)
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_forced_tool_call_streams_name_then_arguments(client: openai.OpenAI) -> None:
+    chunks = list(
+        ask(client, WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", stream=True)
+    )
+    items = [i for c in chunks if c.choices for i in c.choices[0].delta.tool_calls or []]
+    assert items[0].id and items[0].function.name in ("get_weather", "get_time")
+    assert all(i.index == 0 and i.id is None for i in items[1:])
+    arguments = "".join(i.function.arguments or "" for i in items)
+    assert json.loads(arguments)["city"]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_tool_result_in_the_history_gets_an_answer(client: openai.OpenAI) -> None:
+    call = {
+        "id": "call_abc",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"sky": "sunny", "c": 21}'},
+    ]
+    reply = ask(client, messages, tools=WEATHER_TOOLS, max_tokens=24)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
