@@ -184,3 +184,39 @@ def test_a_tool_result_in_the_history_gets_an_answer(client: openai.OpenAI) -> N
     ]
     reply = ask(client, messages, tools=WEATHER_TOOLS, max_tokens=24)
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Lima", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates_for_20_seeds(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+
+    def one(seed: int) -> str:
+        reply = ask(
+            client, messages, temperature=1.0, seed=seed, max_tokens=80,
+            response_format=response_format,
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason == "stop"
+        return reply.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(one, range(20)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1
