@@ -10,6 +10,9 @@
 5. A full engine queue (``EngineOverloadedError``) is a 503 with ``Retry-After``; ``Drain``
    (``api.draining``) counts the requests in flight and refuses new ones during a graceful
    shutdown.
+6. The operator's MCP servers (``ServerConfig.mcp_servers``) are connected by a lifespan entry
+   that runs before the engine's, so a server that cannot start fails the startup at once, and
+   are closed after the engine has shut down (``api.mcp``).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from api.config import ServerConfig
 from api.dependencies import provide_dependencies
 from api.draining import Drain, DrainMiddleware, retry_later_headers
 from api.errors import APIError, exception_handlers
+from api.mcp import McpClients
 from api.metrics import Metrics
 from api.protocol import ErrorResponse, ModelCard
 from api.request_id import response_hook
+from api.responses_store import ResponseStore
 from api.routes import ROUTE_HANDLERS
 from api.routes.service import package_version
 from runtime.interface import EngineClient, EngineOverloadedError
@@ -77,6 +82,15 @@ def create_app(
     ]
     metrics = Metrics(engine)
     drain = drain or Drain()
+    mcp = McpClients(config.mcp_servers, config.mcp_timeout_s, config.mcp_max_output_bytes)
+
+    @asynccontextmanager
+    async def mcp_lifespan(_: Litestar) -> AsyncIterator[None]:
+        await mcp.connect()
+        try:
+            yield
+        finally:
+            await mcp.close()
 
     @asynccontextmanager
     async def engine_lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -91,11 +105,13 @@ def create_app(
 
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
-        lifespan=[engine_lifespan],
-        dependencies=provide_dependencies(engine, model_cards, config, metrics),
+        lifespan=[mcp_lifespan, engine_lifespan],
+        dependencies=provide_dependencies(
+            engine, model_cards, config, metrics, mcp, ResponseStore()
+        ),
         exception_handlers={**exception_handlers(), EngineOverloadedError: _overloaded},
         middleware=[DrainMiddleware(drain)],
-        state=State({"drain": drain}),
+        state=State({"drain": drain, "mcp": mcp}),
         guards=[api_key_guard(config.api_key)] if config.api_key else [],
         before_send=[response_hook(metrics)],
         cors_config=CORSConfig(allow_origins=list(config.allowed_origins))

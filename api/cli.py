@@ -3,7 +3,8 @@
 1. Parse the flags into an ``EngineConfig`` (bad values: a one-line ``runtime-serve: error: ...``
    and exit status 2, before anything heavy is imported).
 2. Build the engine (resolve and load the model; errors: one line, exit status 1).
-3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan starts the engine (compilation and
+3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan connects the MCP servers of
+   ``--mcp-config`` (a failure: one line, exit status 1) and starts the engine (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
    is printed.
 4. SIGTERM drains (``api.server``): no new requests, up to ``--shutdown-timeout`` for those in
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(
         prog=PROG,
         description="Serve a model through an OpenAI-compatible HTTP API "
-        "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+        "(/v1/chat/completions, /v1/responses, /v1/completions, /v1/models, /health).",
         allow_abbrev=False,
     )
     _add_model_flags(parser.add_argument_group("model"))
@@ -330,9 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    from api.mcp import McpStartupError
+
     try:
         started = _serve(engine, args.host, args.port, server, args.shutdown_timeout)
         return 0 if started else 1
+    except McpStartupError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
 

@@ -11,9 +11,14 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from api.mcp_config import McpServerConfig
+
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+DEFAULT_MCP_MAX_ROUNDS = 8
+DEFAULT_MCP_TIMEOUT_S = 60.0
+DEFAULT_MCP_MAX_OUTPUT_BYTES = 64 * 1024
 # "auto" and the names of api.tool_parsers.PARSERS (kept literal: config must not import the API).
 TOOL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "llama3_function", "json")
 
@@ -89,7 +94,10 @@ class ServerConfig:
     ``served_model_names``: names requests may use; the first is reported in responses. Empty
     means the engine's ``model_name`` only. ``api_key``: when set, ``/v1/*``, ``/tokenize`` and
     ``/detokenize`` need ``Authorization: Bearer <key>``. ``allowed_origins``: CORS is off when
-    empty. ``max_completion_tokens_cap``: None means ``max_model_len``.
+    empty. ``max_completion_tokens_cap``: None means ``max_model_len``. ``mcp_servers``: the MCP
+    servers connected at startup (``api.mcp``); ``mcp_max_rounds``: how many model turns of MCP
+    calls one /v1/responses request may run; ``mcp_timeout_s`` bounds each call and
+    ``mcp_max_output_bytes`` each result.
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -101,8 +109,13 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str = "auto"  # a name of api.tool_parsers.PARSERS, or "auto"
+    mcp_servers: tuple[McpServerConfig, ...] = ()
+    mcp_max_rounds: int = DEFAULT_MCP_MAX_ROUNDS
+    mcp_timeout_s: float = DEFAULT_MCP_TIMEOUT_S
+    mcp_max_output_bytes: int = DEFAULT_MCP_MAX_OUTPUT_BYTES
 
     def __post_init__(self) -> None:
+        self._check_mcp()
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
@@ -126,6 +139,19 @@ class ServerConfig:
         if self.max_request_body_bytes < 1024:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
+
+    def _check_mcp(self) -> None:
+        names = [server.name for server in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MCP server names repeat: {names}")
+        if self.mcp_max_rounds < 1:
+            raise ValueError(f"mcp_max_rounds must be >= 1, got {self.mcp_max_rounds}")
+        if not (math.isfinite(self.mcp_timeout_s) and self.mcp_timeout_s > 0):
+            raise ValueError(f"mcp_timeout_s must be > 0, got {self.mcp_timeout_s}")
+        if self.mcp_max_output_bytes < 256:
+            raise ValueError(
+                f"mcp_max_output_bytes must be >= 256, got {self.mcp_max_output_bytes}"
             )
 
     def model_names(self, engine_model_name: str) -> tuple[str, ...]:

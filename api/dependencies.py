@@ -13,8 +13,10 @@ from litestar.di import Provide
 from litestar.params import Dependency
 
 from api.config import ServerConfig
+from api.mcp import McpClients
 from api.metrics import Metrics
 from api.protocol import ModelCard
+from api.responses_store import ResponseStore
 from runtime.interface import EngineClient
 
 EngineDep = Annotated[EngineClient, Dependency(skip_validation=True)]
@@ -25,9 +27,12 @@ def provide_dependencies(
     model_cards: list[ModelCard],
     config: ServerConfig,
     metrics: Metrics,
+    mcp: McpClients,
+    response_store: ResponseStore,
 ) -> dict[str, Provide]:
     """Providers for ``engine`` (an ``EngineDep``), ``model_card`` (the reported name's card),
-    ``model_cards`` (one per served name), ``config`` (``ServerConfig``), ``metrics``."""
+    ``model_cards`` (one per served name), ``config`` (``ServerConfig``), ``metrics``, ``mcp``
+    (the MCP servers' tools) and ``response_store`` (recent /v1/responses results)."""
 
     def constant(value: object) -> Provide:
         return Provide(lambda: value, sync_to_thread=False, use_cache=True)
@@ -38,4 +43,6 @@ def provide_dependencies(
         "model_cards": constant(model_cards),
         "config": constant(config),
         "metrics": constant(metrics),
+        "mcp": constant(mcp),
+        "response_store": constant(response_store),
     }

@@ -25,6 +25,7 @@ import uvicorn
 from api.app import create_app
 from api.config import ServerConfig
 from api.draining import Drain
+from api.mcp import McpClients
 from runtime.interface import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,11 @@ def serve(
 ) -> bool:
     """Serve ``create_app(engine)`` until SIGTERM or SIGINT; False when the app failed to start
     (an engine startup error). ``started_at`` (``time.monotonic()``) is when the process began,
-    for the ready line."""
+    for the ready line. Raises ``McpStartupError`` when an MCP server could not be connected."""
     drain = Drain()
+    app = create_app(engine, config=server, drain=drain)
     config = uvicorn.Config(
-        create_app(engine, config=server, drain=drain),
+        app,
         host=host,
         port=port,
         log_level="info",
@@ -104,5 +106,11 @@ def serve(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     uvicorn_server = _Server(config, engine, drain, shutdown_timeout_s, started_at)
-    uvicorn_server.run()
+    mcp: McpClients = app.state.mcp
+    try:
+        uvicorn_server.run()
+    except SystemExit:  # uvicorn's exit status 3 for a failed lifespan startup
+        if mcp.startup_error is not None:
+            raise mcp.startup_error from None
+        raise
     return uvicorn_server.started

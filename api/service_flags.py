@@ -17,12 +17,16 @@ from api.config import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_TOP_LOGPROBS,
+    DEFAULT_MCP_MAX_ROUNDS,
+    DEFAULT_MCP_TIMEOUT_S,
     TOOL_PARSERS,
     SamplingDefaults,
     ServerConfig,
 )
+from api.mcp_config import load_mcp_config
 
 API_KEY_ENV = "RUNTIME_API_KEY"
+MCP_CONFIG_ENV = "RUNTIME_MCP_CONFIG"
 _SAMPLING_FLAGS = (
     ("--temperature", float, "temperature"),
     ("--top-p", float, "top_p"),
@@ -78,6 +82,7 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are a 413 (default: %(default)s)",
     )
+    _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
     group = parser.add_argument_group(
         "sampling defaults",
         "used when a request omits the field; they win over the model's generation_config",
@@ -87,6 +92,33 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         if dest != "max_tokens":
             help_text = f"default {dest}"
         group.add_argument(flag, dest=f"default_{dest}", type=kind, default=None, help=help_text)
+
+
+def _add_mcp_flags(add: Any) -> None:
+    add(
+        "--mcp-config",
+        default=os.environ.get(MCP_CONFIG_ENV),
+        metavar="PATH",
+        help='connect to the MCP servers of this mcp.json ({"mcpServers": {name: {"command", '
+        '"args", "env"} or {"url", "headers"}}}) at startup; their tools, named '
+        "<server>__<tool>, go to chat and responses requests that send no tools, and "
+        f"/v1/responses runs them (default: ${MCP_CONFIG_ENV}, else none)",
+    )
+    add(
+        "--mcp-max-rounds",
+        type=int,
+        default=DEFAULT_MCP_MAX_ROUNDS,
+        help="most model turns with MCP calls in one /v1/responses request; the turn after "
+        "them answers without tools (default: %(default)s)",
+    )
+    add(
+        "--mcp-timeout",
+        type=float,
+        default=DEFAULT_MCP_TIMEOUT_S,
+        metavar="S",
+        help="most seconds one MCP tool call may take; a call that takes longer fails and the "
+        "model is told (default: %(default)s)",
+    )
 
 
 def sampling_flags(args: argparse.Namespace) -> SamplingDefaults:
@@ -118,6 +150,9 @@ def server_config(
         tool_parser=args.tool_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         sampling_defaults=defaults,
+        mcp_servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
+        mcp_max_rounds=args.mcp_max_rounds,
+        mcp_timeout_s=args.mcp_timeout,
     )
 
 

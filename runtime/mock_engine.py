@@ -2,9 +2,10 @@
 
 1. ``MockTokenizer`` is byte-level: every UTF-8 byte is one token id (0..255), plus a BOS and an EOS
    id; its chat template is ChatML-like.
-2. ``MockEngine.generate`` replies with a fixed ``reply`` text, or by default with the prompt's text
-   reversed (for a rendered chat, the last user message reversed), one token per delta with a
-   short ``asyncio.sleep`` between them, then EOS.
+2. ``MockEngine.generate`` replies with the next of its scripted ``replies`` (one per request, in
+   order), else with a fixed ``reply`` text, or by default with the prompt's text reversed (for a
+   rendered chat, the last user message reversed), one token per delta with a short
+   ``asyncio.sleep`` between them, then EOS.
 3. It honours ``max_tokens``, ``max_model_len``, ``stop_token_ids`` and ``ignore_eos`` like the real
    engine, and records every request and every abort (a consumer that stops iterating early) so
    tests can assert on them from any thread.
@@ -104,8 +105,9 @@ class MockEngine:
     """An ``EngineClient`` that answers deterministically; see the module docstring.
 
     ``reply``: the text every request generates (before EOS); ``None`` echoes the prompt's text
-    (a chat's last user message) reversed. ``token_delay_s``: the pause before each delta, so
-    streams interleave and can be interrupted. ``max_num_seqs`` and ``max_waiting`` (0: no bound)
+    (a chat's last user message) reversed. ``replies``: texts the next requests generate, one
+    each and in order, before ``reply`` applies (tests append to it, e.g. for tool-call turns).
+    ``token_delay_s``: the pause before each delta, so streams interleave and can be interrupted. ``max_num_seqs`` and ``max_waiting`` (0: no bound)
     as in ``runtime.config.EngineConfig``.
     """
 
@@ -117,6 +119,7 @@ class MockEngine:
         token_delay_s: float = 0.001,
         max_num_seqs: int = 16,
         max_waiting: int = 0,
+        replies: Sequence[str] = (),
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -130,6 +133,7 @@ class MockEngine:
         self.max_model_len = max_model_len
         self.tokenizer = MockTokenizer()
         self.reply = reply
+        self.replies: deque[str] = deque(replies)
         self.token_delay_s = token_delay_s
         self.started = False
         self.requests: list[MockRequestRecord] = []
@@ -175,6 +179,8 @@ class MockEngine:
             return self._changed.wait_for(lambda: len(self.aborted) >= count, timeout_s)
 
     def _reply_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        if self.replies:
+            return self.tokenizer.encode(self.replies.popleft(), add_special_tokens=False)
         if self.reply is not None:
             return self.tokenizer.encode(self.reply, add_special_tokens=False)
         prompt_text = self.tokenizer.decode(prompt_token_ids)

@@ -11,12 +11,13 @@ from api.routes.completions import create_completion
 from api.routes.embeddings import create_embeddings
 from api.routes.health import health
 from api.routes.models import list_models, retrieve_model
+from api.routes.responses import create_response
 from api.routes.service import get_metrics, get_openapi_json, get_version
 from api.routes.tokenize import detokenize, tokenize
 
 _HANDLERS = [create_chat_completion, create_completion, health, list_models, retrieve_model]
 _HANDLERS += [tokenize, detokenize, get_version, get_metrics, get_openapi_json]
-_HANDLERS += [create_embeddings]
+_HANDLERS += [create_embeddings, create_response]
 ROUTE_HANDLERS = [Router(path="/", route_handlers=_HANDLERS, guards=[limit_request_headers])]
 
 __all__ = ["ROUTE_HANDLERS"]

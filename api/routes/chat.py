@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from litestar import Request, Response, post
 
+from api.chat_start import start_chat
 from api.config import ServerConfig
-from api.defaults import completion_budget, with_sampling_defaults
 from api.dependencies import EngineDep
 from api.disconnect import cancel_on_disconnect
-from api.errors import bad_request
-from api.generation import collect_all, merge_usage, start_generation
+from api.generation import collect_all, merge_usage
 from api.logprobs import chat_logprobs
+from api.mcp import McpClients
 from api.metrics import Metrics
 from api.openapi import documented
-from api.prompts import chat_prompt_ids
 from api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,19 +29,8 @@ from api.protocol import (
     ChatDelta,
     Usage,
 )
-from api.reasoning import split_reasoning
 from api.streaming import sse_response
-from api.structured import response_format_grammar
-from api.tools import ToolCallPieces, ToolRequest
-from api.validation import (
-    build_sampling,
-    check_model,
-    check_supported,
-    check_top_logprobs,
-    decode_body,
-    resolve_max_tokens,
-    resolve_n,
-)
+from api.validation import check_model, check_supported, decode_body
 from runtime.interface import TokenizerLike
 from runtime.request import TokenLogprobs
 
@@ -93,9 +81,16 @@ class ChatChunks:
     operation_class=documented(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
 )
 async def create_chat_completion(
-    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
+    request: Request[Any, Any, Any],
+    engine: EngineDep,
+    config: ServerConfig,
+    metrics: Metrics,
+    mcp: McpClients,
 ) -> Response[Any]:
     """OpenAI chat completions; see ``ChatCompletionRequest`` for the accepted fields.
+
+    A request without ``tools`` gets the server's MCP tools (``--mcp-config``), which the client
+    runs itself: the reply's ``tool_calls`` are returned, never executed here.
 
     Errors are OpenAI envelopes: 400 for bad or unsupported fields and prompts that do not fit the
     context, 404 for another model name, 503 when the engine shuts down mid-request.
@@ -103,40 +98,12 @@ async def create_chat_completion(
     body = decode_body(await request.body(), ChatCompletionRequest)
     check_model(body.model, config.model_names(engine.model_name))
     check_supported(body)
-    grammar = response_format_grammar(body.response_format)  # a bad schema is a 400 here
-    tools = ToolRequest.from_body(
-        body, getattr(engine.tokenizer, "chat_template", None), config.tool_parser
-    )
-    if tools is not None and tools.choice != "auto":
-        if grammar is not None:
-            raise bad_request(
-                "tool_choice 'required' or a named function cannot be combined with a "
-                "response_format",
-                param="tool_choice",
-            )
-        grammar = tools.grammar()
-    body = with_sampling_defaults(body, config.sampling_defaults)
-    prompt_ids = await chat_prompt_ids(engine.tokenizer, body, tools)
-    requested = body.max_completion_tokens or body.max_tokens
-    max_tokens = resolve_max_tokens(
-        completion_budget(requested, len(prompt_ids), engine.max_model_len, config, None),
-        len(prompt_ids),
-        engine.max_model_len,
-        "messages",
-    )
-    sampling = dataclasses.replace(build_sampling(body, max_tokens), grammar=grammar)
-    if tools is not None:  # call markers may be special tokens: the parser must see them
-        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+    if body.tools is None and mcp.tools:  # the server's MCP tools; ``tools: []`` opts out
+        body = msgspec.structs.replace(body, tools=mcp.openai_tools())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    n = resolve_n(body.n, config.max_n)
-    check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "top_logprobs")
-    generations = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
-    )
-    choices: list[Any] = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
-    if tools is not None:
-        choices = [ToolCallPieces(choice, tools.parser) for choice in choices]
+    started = await start_chat(request, engine, config, metrics, body, request_id)
+    choices, sampling, n = started.choices, started.sampling, started.n
     tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:
         factories = [
