@@ -42,6 +42,18 @@ STARTED = time.monotonic()  # module import: close enough to process start
 logger = logging.getLogger(__name__)
 
 
+def _device_list(text: str) -> tuple[int, ...]:
+    try:
+        devices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected device indices like 0,1,2,3, got {text!r}"
+        ) from None
+    if any(d < 0 for d in devices):
+        raise argparse.ArgumentTypeError(f"device indices must be >= 0, got {text!r}")
+    return devices
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -189,6 +201,23 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="seed of the engine's sampling random stream (default: %(default)s)",
     )
     add(
+        "--tensor-parallel-size",
+        "--tp",
+        type=_int_at_least(1),
+        default=1,
+        help="devices one model is split over (tensor parallelism: attention and KV heads, MLP "
+        "columns and the vocabulary divided among them; default: %(default)s)",
+    )
+    add(
+        "--devices",
+        "--d",
+        type=_device_list,
+        default=None,
+        metavar="0,1,...",
+        help="indices into JAX's devices to run on, as many as --tensor-parallel-size "
+        "(default: the first ones)",
+    )
+    add(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -268,6 +297,8 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         matmul_dtype=args.matmul_dtype,
         seed=args.seed,
         prefix_cache=args.prefix_cache,
+        tensor_parallel_size=args.tensor_parallel_size,
+        devices=args.devices,
         debug_fill_freed_pages=args.debug_fill_freed_pages,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )

@@ -21,6 +21,7 @@ from runtime.hf_loader import load_hf_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.page_allocator import PageAllocator
 from runtime.scheduler import Scheduler
+from runtime.sharding import build_mesh, cache_sharding, check_divisible, shard_weights
 from runtime.sources import ModelFiles, cache_root, resolve_model_source
 from runtime.tokenizer import Tokenizer
 
@@ -96,6 +97,17 @@ def build_engine(config: EngineConfig) -> Engine:
     model = load_model(config)
     files, spec, model_config = model.files, model.spec, model.config
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
+    mesh = build_mesh(config.devices, config.tensor_parallel_size)
+    if mesh is not None:
+        attention = model_config.attention
+        check_divisible(
+            attention.num_heads,
+            model_config.num_kv_heads,
+            mesh.size,
+            is_mla=not hasattr(attention, "num_kv_heads"),
+        )
+        weights = shard_weights(weights, mesh)
+        logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
@@ -115,6 +127,9 @@ def build_engine(config: EngineConfig) -> Engine:
         max_model_len,
     )
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
+    cache_shardings = None
+    if mesh is not None:
+        cache_shardings = cache_sharding(_abstract_cache(k_shape, kv_dtype, v_shape), mesh)
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
@@ -123,10 +138,11 @@ def build_engine(config: EngineConfig) -> Engine:
         spec,
         model_config,
         weights,
-        KVCache.zeros(k_shape, kv_dtype, v_shape),
+        _zero_cache(k_shape, kv_dtype, v_shape, cache_shardings),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
+        cache_sharding=cache_shardings,
     )
     allocator = PageAllocator(num_pages, config.page_size)
     allocator.track_fresh = config.debug_fill_freed_pages
@@ -154,3 +170,16 @@ def build_engine(config: EngineConfig) -> Engine:
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
+
+
+def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:
+    return jax.eval_shape(lambda: KVCache.zeros(k_shape, dtype, v_shape))
+
+
+def _zero_cache(
+    k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...], shardings: Any
+) -> KVCache:
+    """A zeroed cache; sharded, each device allocates only its own KV heads."""
+    if shardings is None:
+        return KVCache.zeros(k_shape, dtype, v_shape)
+    return jax.jit(lambda: KVCache.zeros(k_shape, dtype, v_shape), out_shardings=shardings)()

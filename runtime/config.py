@@ -39,6 +39,8 @@ class EngineConfig:
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
+    devices (indices into ``jax.devices()``) and tensor_parallel_size build the device mesh the
+    step is split over (``runtime.sharding``); one device by default.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -60,6 +62,8 @@ class EngineConfig:
     served_model_name: str | None = None
     prefix_cache: bool = True
     debug_fill_freed_pages: bool = False
+    devices: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -86,10 +90,19 @@ class EngineConfig:
             raise ValueError(
                 f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}"
             )
+        self._check_parallel()
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         if self.prefill_chunk_size < self.page_size:
             raise ValueError(
                 f"prefill_chunk_size must be >= page_size ({self.page_size}), "
                 f"got {self.prefill_chunk_size}"
+            )
+
+    def _check_parallel(self) -> None:
+        _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
+            raise ValueError(
+                f"devices lists {len(self.devices)} devices but tensor_parallel_size is "
+                f"{self.tensor_parallel_size}"
             )

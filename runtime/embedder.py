@@ -23,6 +23,7 @@ from models.registry import ModelSpec
 from runtime.buckets import pick
 from runtime.compiled_shapes import CompiledShapes
 from runtime.request import MAX_TOP_LOGPROBS, TokenLogprobs
+from runtime.sharding import placed
 
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
@@ -51,7 +52,7 @@ class EmbeddingRunner:
 
     def _lower(self, key: tuple[str, int]) -> Any:
         kind, length = key
-        weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.weights)
+        weights = placed(self.weights)
         tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
         n = jax.ShapeDtypeStruct((1,), jnp.int32)
         return (self._pool if kind == "pool" else self._score).lower(weights, tokens, n)

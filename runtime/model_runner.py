@@ -31,6 +31,7 @@ from runtime.sampler import (
     sample,
 )
 from runtime.scheduler import ScheduledBatch, ScheduledSeq, StepKind
+from runtime.sharding import placed
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
 MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
@@ -62,6 +63,7 @@ class ModelRunner:
         plan: BucketPlan,
         eos_token_ids: Iterable[int] = (),
         decode_steps: int = 1,
+        cache_sharding: Any = None,
     ) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -72,9 +74,11 @@ class ModelRunner:
         self.cache = cache
         self.plan = plan
         self.decode_steps = decode_steps
-        self._step = jax.jit(functools.partial(_step, spec.forward, config), donate_argnums=(1,))
+        # With a device mesh the updated cache keeps the input's sharding (runtime.sharding).
+        forward = functools.partial(_constrained, spec.forward, cache_sharding)
+        self._step = jax.jit(functools.partial(_step, forward, config), donate_argnums=(1,))
         self._multi_step = jax.jit(
-            functools.partial(_multi_step, spec.forward, config),
+            functools.partial(_multi_step, forward, config),
             static_argnums=(0,),
             donate_argnums=(2,),
         )
@@ -99,7 +103,7 @@ class ModelRunner:
     def _lower(self, key: tuple[int, int, int, int]) -> Any:
         abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
         batch, meta = abstract(_empty_inputs(*key[:3], self.vocab_size))
-        weights, cache = abstract(self.weights), abstract(self.cache)
+        weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
             return self._step.lower(weights, cache, batch, meta)
         return self._multi_step.lower(key[3], weights, cache, batch, meta)
@@ -165,6 +169,15 @@ class ModelRunner:
 
 def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
     return jax.tree.map(lambda a: a.at[:, pages].set(jnp.nan), cache)
+
+
+def _constrained(
+    forward: Any, sharding: Any, config: Any, weights: Any, cache: KVCache, batch: StepBatch
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward(config, weights, cache, batch)
+    if sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, sharding)
+    return logits, cache
 
 
 def _step(

@@ -1,0 +1,144 @@
+"""Tensor parallelism: one SPMD step over a device mesh, the weights and the KV cache split on it.
+
+The mesh has one axis, ``tp``, over the chosen devices. The rules below say which axis of each
+weight field is split; everything else is replicated. XLA's partitioner derives the rest (the
+activations' layouts and the all-reduces after the row-parallel projections) from them:
+
+- column-parallel (output features split, so heads and MLP columns are local): ``wq``, ``wk``,
+  ``wv``, ``w_gate``, ``w_up`` (and the shared experts' ``s_gate``, ``s_up``) and their biases;
+- row-parallel (input features split; the partial sums are all-reduced): ``wo``, ``w_down``,
+  ``s_down``;
+- the vocabulary: ``embed`` (rows) and ``lm_head`` (columns), so the largest matrices of a small
+  model are split too;
+- the KV cache over its KV-head axis, so each device keeps the K/V of its own heads.
+
+Packed and int8 weights split the same way: every array of a ``PackedWeight`` along the same
+logical axis (codes and group scales together), an int8 weight's per-column scales with its
+columns. Attention and KV heads must divide by the tensor-parallel size (a clear error at startup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "tp"
+_COLUMN = frozenset(
+    ("wq", "wk", "wv", "w_gate", "w_up", "s_gate", "s_up", "bq", "bk", "bv", "b_up")
+)
+_ROW = frozenset(("wo", "w_down", "s_down"))
+
+
+class ShardingError(ValueError):
+    """A mesh that cannot be built, or a model that does not split over it."""
+
+
+def build_mesh(devices: Sequence[int] | None, tensor_parallel_size: int) -> Mesh | None:
+    """The ``tp`` mesh over ``devices`` (indices into ``jax.devices()``; default the first
+    ``tensor_parallel_size``), or None for one device (nothing is sharded)."""
+    available = jax.devices()
+    if devices is None:
+        devices = list(range(tensor_parallel_size))
+    if len(devices) != tensor_parallel_size:
+        raise ShardingError(
+            f"--devices lists {len(devices)} devices but --tensor-parallel-size is "
+            f"{tensor_parallel_size}"
+        )
+    if len(set(devices)) != len(devices):
+        raise ShardingError(f"--devices repeats a device: {list(devices)}")
+    missing = [d for d in devices if not 0 <= d < len(available)]
+    if missing:
+        raise ShardingError(
+            f"device {missing[0]} does not exist: {len(available)} {available[0].platform} "
+            f"device(s) are visible (0 to {len(available) - 1})"
+        )
+    if tensor_parallel_size == 1 and devices == [0]:
+        return None
+    return Mesh(np.array([available[d] for d in devices]), (AXIS,))
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) -> None:
+    """Refuse a model whose heads do not split evenly over ``size`` devices."""
+    if size == 1:
+        return
+    if is_mla:
+        raise ShardingError(
+            "tensor parallelism does not split multi-head latent attention (DeepSeek) yet; "
+            "serve it with --tensor-parallel-size 1"
+        )
+    for name, count in (("attention heads", num_heads), ("KV heads", num_kv_heads)):
+        if count % size:
+            raise ShardingError(
+                f"the model's {count} {name} do not divide by --tensor-parallel-size {size}"
+            )
+
+
+def _spec(ndim: int, axis: int | None) -> PartitionSpec:
+    if axis is None:
+        return PartitionSpec()
+    parts: list[str | None] = [None] * ndim
+    parts[axis % ndim] = AXIS
+    return PartitionSpec(*parts)
+
+
+def _field_and_role(path: tuple[Any, ...]) -> tuple[str | None, str | None]:
+    """The weight field a leaf belongs to, and its role inside a quantized weight (``scale`` of
+    an int8 weight, ``z`` of a packed one)."""
+    field = role = None
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str):
+            field = key.key
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            role = key.name
+    return field, role
+
+
+def _weight_axis(path: tuple[Any, ...], leaf: Any) -> int | None:
+    field, role = _field_and_role(path)
+    ndim = getattr(leaf, "ndim", 0)
+    if field == "embed":
+        return 0
+    if field == "lm_head":
+        return ndim - 1
+    if field in _COLUMN:
+        return None if leaf.shape[-1] == 1 else ndim - 1
+    if field in _ROW:
+        if role == "scale" or ndim < 2 or leaf.shape[-2] == 1:
+            return None  # an int8 weight's column scales; a packed weight's constant zero
+        return ndim - 2
+    return None
+
+
+def shard_weights(weights: Any, mesh: Mesh) -> Any:
+    """The weight pytree placed on ``mesh`` by the rules of the module docstring."""
+
+    def place(path: tuple[Any, ...], leaf: Any) -> Any:
+        axis = _weight_axis(path, leaf)
+        if axis is not None and leaf.shape[axis] % mesh.size:
+            axis = None  # e.g. a vocabulary of 32001: kept whole (the step stays correct)
+        return jax.device_put(leaf, NamedSharding(mesh, _spec(leaf.ndim, axis)))
+
+    return jax.tree_util.tree_map_with_path(place, weights)
+
+
+def cache_sharding(cache: Any, mesh: Mesh) -> Any:
+    """Shardings of a ``KVCache`` pytree: K, V and their row scales split over KV heads."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, _spec(a.ndim, 3)), cache)
+
+
+def placed(tree: Any) -> Any:
+    """Abstract values of device arrays, with their shardings (a mesh's steps compile for them)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def device_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes each device holds of a pytree of arrays."""
+    total: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total

@@ -1,0 +1,61 @@
+"""Run in a fresh process with fake CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``):
+build the engine on a saved model once per tensor-parallel size and print, as one JSON line, each
+size's greedy tokens and the bytes each device holds of the weights and of the KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from runtime.builder import build_engine
+from runtime.config import EngineConfig
+from runtime.request import SamplingParams
+from runtime.sharding import device_bytes
+
+PROMPTS = [[1, 5, 9, 13, 200], [7, 7, 7], list(range(40, 75))]
+
+
+def run(folder: str, size: int, extra: dict) -> dict:
+    engine = build_engine(
+        EngineConfig(
+            model_id=folder,
+            max_num_seqs=4,
+            max_model_len=128,
+            kvcache_mem_mb=4,
+            dtype="float32",
+            tensor_parallel_size=size,
+            **extra,
+        )
+    )
+    engine.start()
+    try:
+
+        async def all_prompts() -> list[list[int]]:
+            async def one(i: int, ids: list[int]) -> list[int]:
+                out: list[int] = []
+                sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+                async for delta in engine.generate(ids, sampling, f"tp{size}-{i}"):
+                    out += delta.token_ids
+                return out
+
+            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(PROMPTS)))
+
+        tokens = asyncio.run(all_prompts())
+        weights = device_bytes(engine.runner.weights)
+        layers = device_bytes(engine.runner.weights["segments"])
+        cache = device_bytes(engine.runner.cache)
+    finally:
+        engine.shutdown()
+    return {
+        "tokens": tokens,
+        "weight_bytes": sorted(weights.values()),
+        "layer_bytes": sorted(layers.values()),
+        "cache_bytes": sorted(cache.values()),
+    }
+
+
+if __name__ == "__main__":
+    folder, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    print(json.dumps({size: run(folder, size, extra) for size in sizes}))
