@@ -218,6 +218,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "(default: the first ones)",
     )
     add(
+        "--enable-expert-parallel",
+        dest="expert_parallel",
+        action="store_true",
+        help="split a mixture-of-experts model's routed experts over the --tensor-parallel-size "
+        "devices (each keeps its share of the experts whole) instead of replicating them",
+    )
+    add(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -299,6 +306,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=args.prefix_cache,
         tensor_parallel_size=args.tensor_parallel_size,
         devices=args.devices,
+        expert_parallel=args.expert_parallel,
         debug_fill_freed_pages=args.debug_fill_freed_pages,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )

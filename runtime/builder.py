@@ -106,7 +106,7 @@ def build_engine(config: EngineConfig) -> Engine:
             mesh.size,
             is_mla=not hasattr(attention, "num_kv_heads"),
         )
-        weights = shard_weights(weights, mesh)
+        weights = shard_weights(weights, mesh, config.expert_parallel)
         logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)

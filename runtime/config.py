@@ -40,7 +40,8 @@ class EngineConfig:
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
     devices (indices into ``jax.devices()``) and tensor_parallel_size build the device mesh the
-    step is split over (``runtime.sharding``); one device by default.
+    step is split over (``runtime.sharding``); one device by default. expert_parallel splits a
+    mixture-of-experts model's routed experts over the same devices.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -64,6 +65,7 @@ class EngineConfig:
     debug_fill_freed_pages: bool = False
     devices: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_id:

@@ -10,7 +10,10 @@ activations' layouts and the all-reduces after the row-parallel projections) fro
   ``s_down``;
 - the vocabulary: ``embed`` (rows) and ``lm_head`` (columns), so the largest matrices of a small
   model are split too;
-- the KV cache over its KV-head axis, so each device keeps the K/V of its own heads.
+- the KV cache over its KV-head axis, so each device keeps the K/V of its own heads;
+- with expert parallelism, the routed experts' stacks (``e_gate``, ``e_up``, ``e_down``) over
+  their expert axis, so each device keeps its share of the experts whole (the router and the
+  shared expert follow the rules above).
 
 Packed and int8 weights split the same way: every array of a ``PackedWeight`` along the same
 logical axis (codes and group scales together), an int8 weight's per-column scales with its
@@ -31,6 +34,7 @@ _COLUMN = frozenset(
     ("wq", "wk", "wv", "w_gate", "w_up", "s_gate", "s_up", "bq", "bk", "bv", "b_up")
 )
 _ROW = frozenset(("wo", "w_down", "s_down"))
+_EXPERTS = frozenset(("e_gate", "e_up", "e_down"))  # [layers, experts, in, out] in a segment
 
 
 class ShardingError(ValueError):
@@ -97,9 +101,11 @@ def _field_and_role(path: tuple[Any, ...]) -> tuple[str | None, str | None]:
     return field, role
 
 
-def _weight_axis(path: tuple[Any, ...], leaf: Any) -> int | None:
+def _weight_axis(path: tuple[Any, ...], leaf: Any, expert_parallel: bool) -> int | None:
     field, role = _field_and_role(path)
     ndim = getattr(leaf, "ndim", 0)
+    if field in _EXPERTS:
+        return 1 if expert_parallel else None
     if field == "embed":
         return 0
     if field == "lm_head":
@@ -113,11 +119,11 @@ def _weight_axis(path: tuple[Any, ...], leaf: Any) -> int | None:
     return None
 
 
-def shard_weights(weights: Any, mesh: Mesh) -> Any:
+def shard_weights(weights: Any, mesh: Mesh, expert_parallel: bool = False) -> Any:
     """The weight pytree placed on ``mesh`` by the rules of the module docstring."""
 
     def place(path: tuple[Any, ...], leaf: Any) -> Any:
-        axis = _weight_axis(path, leaf)
+        axis = _weight_axis(path, leaf, expert_parallel)
         if axis is not None and leaf.shape[axis] % mesh.size:
             axis = None  # e.g. a vocabulary of 32001: kept whole (the step stays correct)
         return jax.device_put(leaf, NamedSharding(mesh, _spec(leaf.ndim, axis)))

@@ -44,6 +44,9 @@ def run(folder: str, size: int, extra: dict) -> dict:
         tokens = asyncio.run(all_prompts())
         weights = device_bytes(engine.runner.weights)
         layers = device_bytes(engine.runner.weights["segments"])
+        experts = device_bytes(
+            [seg[k] for seg in engine.runner.weights["segments"] for k in seg if k.startswith("e_")]
+        )
         cache = device_bytes(engine.runner.cache)
     finally:
         engine.shutdown()
@@ -51,6 +54,7 @@ def run(folder: str, size: int, extra: dict) -> dict:
         "tokens": tokens,
         "weight_bytes": sorted(weights.values()),
         "layer_bytes": sorted(layers.values()),
+        "expert_bytes": sorted(experts.values()),
         "cache_bytes": sorted(cache.values()),
     }
 

@@ -79,6 +79,30 @@ def test_moe_model_over_2_devices(tmp_path: Path) -> None:
     assert set(results["2"]["cache_bytes"]) == {results["1"]["cache_bytes"][0] // 2}
 
 
+@pytest.mark.slow
+def test_experts_split_over_2_and_4_devices(tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        **{**BASE, "num_attention_heads": 8, "num_key_value_heads": 4},
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+    save_random_model(config, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    results = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
+    check_split(results)
+    # Decode gathers the routed experts' weights, prefill runs them grouped: both paths ran.
+    packed = run_sharded(tmp_path, "1,4", {"expert_parallel": True, "isq": "q4_0"})
+    assert packed["4"]["tokens"] == packed["1"]["tokens"]
+    for results_ in (results, packed):
+        single = results_["1"]["expert_bytes"][0]
+        for size, result in results_.items():
+            assert set(result["expert_bytes"]) == {single // int(size)}, "each device: 1/N experts"
+
+
 def test_heads_that_do_not_divide_are_a_clear_error() -> None:
     with pytest.raises(ShardingError, match="3 KV heads do not divide by --tensor-parallel-size 2"):
         check_divisible(6, 3, 2, is_mla=False)
