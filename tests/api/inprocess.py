@@ -7,10 +7,13 @@ from concurrent tasks run one after another; tests that need several requests in
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import httpx
+import uvicorn
 from litestar import Litestar
 
 
@@ -20,3 +23,30 @@ async def app_client(app: Litestar) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app)
     async with app.lifespan(), httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         yield c
+
+
+class _ReadyServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()
+
+
+@contextmanager
+def serve_in_thread(app: Litestar) -> Iterator[str]:
+    """Serve ``app`` (lifespan included) on a free port of 127.0.0.1; yields the base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    server = _ReadyServer(config)
+    thread = threading.Thread(target=server.run, name="test-server", daemon=True)
+    thread.start()
+    try:
+        while not server.ready.wait(timeout=0.05):
+            assert thread.is_alive(), "the app did not start"
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

@@ -22,7 +22,8 @@ from api.config import ServerConfig
 from api.mcp import MAX_TOOL_NAME, McpClients, McpStartupError
 from api.mcp_config import McpServerConfig, load_mcp_config
 from runtime.mock_engine import MockEngine
-from tests.api.mcp_helpers import CALC_SCRIPT, calc_server, hermes_call, serve_in_thread
+from tests.api.inprocess import serve_in_thread
+from tests.api.mcp_helpers import CALC_SCRIPT, calc_server, hermes_call
 from tests.serve_process import REPO_ROOT
 
 LONG_NAME = "a_tool_whose_name_is_long_enough_to_pass_the_sixty_four_character_limit"

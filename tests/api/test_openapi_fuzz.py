@@ -10,18 +10,16 @@ its first byte is still a 200), and afterwards it must be healthy and answer a p
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import requests
-import uvicorn
 
 from api.app import create_app
 from api.protocol import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS
 from runtime.mock_engine import MockEngine
 from tests.api.conftest import MAX_MODEL_LEN
+from tests.api.inprocess import serve_in_thread
 from tests.openapi_fuzz import run_fuzz
 
 MAX_EXAMPLES = 120  # per operation and mode; with the coverage cases over 2,000 requests
@@ -30,35 +28,12 @@ BODY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 HELLO = {"messages": [{"role": "user", "content": "hello"}]}
 
 
-class _ReadyServer(uvicorn.Server):
-    """uvicorn that says when its socket listens (``ready``), so nothing polls for it."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets=sockets)
-        self.ready.set()
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, MockEngine]]:
     """The app with the mock engine, served by uvicorn in a thread; its base URL and engine."""
     engine = MockEngine(model_name="mock-model", max_model_len=MAX_MODEL_LEN, token_delay_s=0)
-    config = uvicorn.Config(
-        create_app(engine), host="127.0.0.1", port=0, log_level="warning", log_config=None
-    )
-    uv = _ReadyServer(config)
-    thread = threading.Thread(target=uv.run, name="fuzz-server", daemon=True)
-    thread.start()
-    assert uv.ready.wait(timeout=60), "uvicorn did not start"
-    host, port = uv.servers[0].sockets[0].getsockname()[:2]
-    try:
-        yield f"http://{host}:{port}", engine
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=60)
+    with serve_in_thread(create_app(engine)) as url:
+        yield url, engine
 
 
 def test_the_document_describes_request_bodies_and_the_error_envelope(

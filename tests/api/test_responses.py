@@ -18,7 +18,8 @@ from api.app import create_app
 from api.config import ServerConfig
 from runtime.mock_engine import MockEngine
 from tests.api.conftest import assert_error
-from tests.api.mcp_helpers import calc_server, hermes_call, serve_in_thread
+from tests.api.inprocess import serve_in_thread
+from tests.api.mcp_helpers import calc_server, hermes_call
 
 MAX_ROUNDS = 2
 WEATHER = {
