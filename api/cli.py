@@ -1,6 +1,7 @@
 """``runtime-serve``: build an engine from command-line flags and serve it over HTTP.
 
-1. Parse the flags into an ``EngineConfig`` (bad values: a one-line ``runtime-serve: error: ...``
+1. Load ``.env`` from the working directory (``api.env_file``; set variables win), then parse
+   the flags into an ``EngineConfig`` (bad values: a one-line ``runtime-serve: error: ...``
    and exit status 2, before anything heavy is imported).
 2. Build the engine (resolve and load the model; errors: one line, exit status 1).
 3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan connects the MCP servers of
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
+from api.env_file import load_env_file
 from api.service_flags import add_service_flags, generation_config_defaults, server_config
 from runtime.config import (
     DEFAULT_MAX_WAITING,
@@ -346,6 +348,11 @@ def _serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``runtime-serve``; returns the process exit status."""
+    try:
+        load_env_file()  # before the parser: flag defaults read the environment
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
