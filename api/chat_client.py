@@ -163,6 +163,7 @@ class ChatSession:
             reply = self._stream(renderer)
         except KeyboardInterrupt:
             renderer.end()
+            self._drop_connections()
             self.reset()
             self._out.write("[reply stopped; starting a new chat]\n")
             return
@@ -173,6 +174,17 @@ class ChatSession:
             return
         renderer.end()
         self.history.append({"role": "assistant", "content": reply})
+
+    def _drop_connections(self) -> None:
+        """Close every connection, so the server sees the interrupted stream end and aborts it
+        (an interrupt inside a socket read can leave the half-read connection pooled), and go
+        on with a fresh client."""
+        old = self._client
+        old.close()
+        self._client = httpx.Client(base_url=old.base_url, headers=old.headers, timeout=old.timeout)
+
+    def close(self) -> None:
+        self._client.close()
 
     def _stream(self, renderer: ReplyRenderer) -> str:
         body = {"model": self._model, "messages": self.history, "stream": True, **self._sampling}
@@ -261,7 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: error: {args.url}: {exc}", file=sys.stderr)
             return 1
         out.write(f"Chatting with {model} at {args.url} ({HELP}).\n")
-        run_chat(ChatSession(client, model, args, out, _color(out)), out)
+        session = ChatSession(client, model, args, out, _color(out))
+        try:
+            run_chat(session, out)
+        finally:
+            session.close()
     return 0
 
 

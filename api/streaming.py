@@ -7,19 +7,19 @@ as an event holding the usual error envelope, which the openai SDK raises as an 
 
 When the client disconnects, Litestar cancels the task iterating the events. If that task was
 inside the engine stream the cancellation closes it; if it was inside ``send`` the event generator
-is left suspended, so a background task closes it after the response, which closes the engine
-stream and aborts the sequence deterministically rather than whenever it is garbage collected.
+is left suspended. The response's ASGI callable therefore closes the generator when it returns,
+however it returns (Litestar skips its background tasks when sending fails), which closes the
+engine stream and aborts the sequence at once rather than whenever it is garbage collected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
-from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from api.errors import APIError
@@ -147,4 +147,25 @@ def sse_response(
 ) -> ServerSentEvent:
     """A ``text/event-stream`` response streaming each choice's pieces through its chunk factory."""
     events = _events(choices, include_usage)
-    return ServerSentEvent(events, background=BackgroundTask(events.aclose))
+    return ClosingServerSentEvent(events, close=events.aclose)
+
+
+class ClosingServerSentEvent(ServerSentEvent):
+    """A ``ServerSentEvent`` that runs ``close`` once its ASGI response has finished, also when
+    the client went away mid-stream."""
+
+    def __init__(self, content: Any, close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content)
+        self._close = close
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().to_asgi_response(*args, **kwargs)
+        close = self._close
+
+        async def respond(scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await response(scope, receive, send)
+            finally:
+                await close()
+
+        return respond

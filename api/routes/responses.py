@@ -18,8 +18,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, post
-from litestar.background_tasks import BackgroundTask
-from litestar.response import ServerSentEvent, ServerSentEventMessage
+from litestar.response import ServerSentEventMessage
 
 from api.config import ServerConfig
 from api.dependencies import EngineDep
@@ -37,6 +36,7 @@ from api.responses_protocol import (
 )
 from api.responses_run import ResponseRun, RunContext
 from api.responses_store import ResponseStore
+from api.streaming import ClosingServerSentEvent
 from api.validation import check_model, decode_body
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ async def create_response(
             await stream.aclose()
             await run.aclose()
 
-        return ServerSentEvent(stream, background=BackgroundTask(close))
+        return ClosingServerSentEvent(stream, close=close)
     try:
         return Response(await cancel_on_disconnect(request, run.complete()))
     finally:

@@ -1,5 +1,5 @@
 """Shared by the MCP and Responses API tests: the calc MCP server's config, scripted tool-call
-replies, and ``serve_in_thread`` (from ``tests.api.inprocess``) gives the openai SDK a base URL."""
+replies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from api.mcp_config import McpServerConfig
-from tests.api.inprocess import serve_in_thread  # noqa: F401 - re-exported for the MCP tests
 from tests.serve_process import REPO_ROOT
 
 CALC_SCRIPT = REPO_ROOT / "tests" / "mcp_calc_server.py"

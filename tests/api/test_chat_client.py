@@ -22,7 +22,7 @@ from api.app import create_app
 from api.chat_client import REASONING_LABEL, ChatError, ReplyRenderer, sse_data
 from api.config import ServerConfig
 from runtime.mock_engine import MockEngine
-from tests.api.mcp_helpers import serve_in_thread
+from tests.api.inprocess import serve_in_thread
 from tests.serve_process import REPO_ROOT
 
 THINK = ("<think>", "</think>")
@@ -155,7 +155,7 @@ def test_ctrl_c_stops_the_reply_and_starts_a_new_chat(
         wait_for("zzzzz")  # the long reply is streaming
         proc.send_signal(signal.SIGINT)
         wait_for("[reply stopped; starting a new chat]")
-        assert mock.wait_for_aborts(1)  # closing the stream aborted the request
+        assert mock.wait_for_aborts(1, timeout_s=30)  # closing the stream aborted the request
         proc.stdin.write("fresh start\n")
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0, proc.stderr.read()
