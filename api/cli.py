@@ -203,6 +203,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="seed of the engine's sampling random stream (default: %(default)s)",
     )
     add(
+        "--device",
+        choices=("cpu", "gpu", "tpu", "metal"),
+        default=None,
+        help="JAX platform to run on (gpu = CUDA, metal = Apple GPUs through jax-metal); a "
+        "platform that is not available is an error (default: JAX's own choice)",
+    )
+    add(
         "--tensor-parallel-size",
         "--tp",
         type=_int_at_least(1),
@@ -364,15 +371,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(args.log)
     except OSError as exc:
         parser.error(f"cannot open log file {args.log}: {exc}")
+    from runtime.platform import DeviceUnavailableError, select_platform
     from runtime.sources import ModelSourceError
 
     try:
+        if args.device is not None:
+            select_platform(args.device)
         engine = _build_engine(config, args.mock_engine)
         generation_defaults = (
             None if args.mock_engine else generation_config_defaults(args.model_id)
         )
         server = server_config(args, generation_defaults)
-    except (ModelSourceError, ValueError, OSError) as exc:
+    except (ModelSourceError, DeviceUnavailableError, ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

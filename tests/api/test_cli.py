@@ -64,6 +64,15 @@ def test_model_source_error_is_one_line_exit_1() -> None:
     assert len(lines) == 1 and lines[0].startswith("runtime-serve: error: "), result.stderr
 
 
+def test_a_device_that_is_not_there_is_one_line_exit_1() -> None:
+    # Apple's Metal plugin never loads on Linux, whatever accelerators the machine has.
+    result = run_cli("--device", "metal", "--mock-engine", "--log", os.devnull)
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("runtime-serve: error: device 'metal' is not available; JAX can use: ")
+    assert "cpu" in line
+
+
 @pytest.fixture
 def mock_server(tmp_path: Path) -> Iterator[str]:
     """``runtime-serve --mock-engine``; yields its base URL (``.../v1``).
