@@ -359,10 +359,10 @@ class Engine:
         if self.runner.cache_lost():
             raise exc
         logger.exception("a step of %d sequences failed", len(batch.items))
-        items = batch.items if len(batch.items) > 1 else ()
-        if not items:
+        if len(batch.items) == 1:
             self._fail(batch.items[0].seq)
-        for item in items:
+            return
+        for item in batch.items:
             alone = ScheduledBatch(batch.kind, (item,))
             try:
                 result = self.runner.run(alone)

@@ -4,7 +4,7 @@ A request's ``SamplingParams.grammar`` is an llguidance grammar (``json_schema_g
 ``lark_grammar`` builds one; ``check_grammar`` refuses a bad one before the engine sees it). The
 engine gives each sequence its own ``GrammarMatcher``. Before every step that samples for the
 sequence, the runner writes the matcher's allowed tokens into the step's bitmask (one bit per
-vocabulary entry, ``bitmask_width`` int32 words per row); the sampler sets the logits of the
+vocabulary entry, ``runtime.sampler.bitmask_width`` int32 words per row); the sampler sets the logits of the
 other tokens to -inf, on device, so a constrained sequence batches with free ones. After the
 step the scheduler feeds the sampled token to the matcher; a grammar that is complete ends the
 sequence.
@@ -30,11 +30,6 @@ from llguidance.numpy import fill_next_token_bitmask
 
 class GrammarError(ValueError):
     """A grammar or JSON schema that cannot be compiled."""
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """int32 words per row of a token bitmask."""
-    return (vocab_size + 31) // 32
 
 
 def json_schema_grammar(schema: dict[str, Any] | None) -> str:

@@ -27,6 +27,7 @@ from runtime.sampler import (
     MAX_LOGIT_BIAS,
     SamplerOutput,
     SamplingMetadata,
+    bitmask_width,
     empty_sampling_metadata,
     sample,
 )
@@ -84,6 +85,12 @@ class ModelRunner:
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
         self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
+        # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
+        # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
+        self._all_allowed = {
+            n: jax.device_put(np.full((n, bitmask_width(self.vocab_size)), -1, np.int32))
+            for n in {1, *plan.decode_seqs}
+        }
 
     def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
@@ -164,7 +171,24 @@ class ModelRunner:
             page_indices[row, : len(seq.pages)] = seq.pages
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
-        return step_batch, _sampling_metadata(items, num_seqs, self.eos_token_ids, self.vocab_size)
+        meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
+        return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _allowed(self, items: tuple[ScheduledSeq, ...], num_seqs: int) -> Any:
+        """The step's grammar bitmask: the constrained rows' masks on the host, or, when no
+        sequence of the batch samples under a grammar, an all-ones mask kept on the device, so
+        free batches transfer none."""
+        constrained = [
+            (row, item.seq.matcher)
+            for row, item in enumerate(items)
+            if item.seq.matcher is not None and item.reaches_end
+        ]
+        if not constrained:
+            return self._all_allowed[num_seqs]
+        mask = np.full((num_seqs, bitmask_width(self.vocab_size)), -1, np.int32)
+        for row, matcher in constrained:
+            matcher.fill_mask(mask, row)
+        return mask
 
 
 def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
@@ -221,13 +245,10 @@ def _multi_step(
 
 
 def _sampling_metadata(
-    items: tuple[ScheduledSeq, ...],
-    num_seqs: int,
-    eos_token_ids: tuple[int, ...],
-    vocab_size: int,
+    items: tuple[ScheduledSeq, ...], num_seqs: int, eos_token_ids: tuple[int, ...]
 ) -> SamplingMetadata:
     """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias."""
-    meta = empty_sampling_metadata(num_seqs, vocab_size)
+    meta = empty_sampling_metadata(num_seqs)
     for row, item in enumerate(items):
         seq, sp = item.seq, item.seq.sampling
         meta.temperature[row], meta.top_k[row], meta.top_p[row] = sp.temperature, sp.top_k, sp.top_p
@@ -237,8 +258,6 @@ def _sampling_metadata(
         meta.frequency_penalty[row] = sp.frequency_penalty
         meta.repetition_penalty[row] = sp.repetition_penalty
         meta.wants_logprobs[row] = sp.logprobs is not None and item.reaches_end
-        if seq.matcher is not None and item.reaches_end:
-            seq.matcher.fill_mask(meta.allowed, row)
         if sp.uses_penalties and item.reaches_end:
             n = min(sp.repeat_last_n if sp.repeat_last_n > 0 else PENALTY_WINDOW, seq.num_tokens)
             meta.history[row, PENALTY_WINDOW - n :] = seq.token_slice(

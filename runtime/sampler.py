@@ -63,12 +63,17 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [num_seqs, k] float32
 
 
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of the ``allowed`` token bitmask."""
+    return (vocab_size + 31) // 32
+
+
 def empty_sampling_metadata(num_seqs: int, vocab_size: int | None = None) -> SamplingMetadata:
     """Writable host (numpy) arrays of one batch bucket's sampling inputs, all padding: greedy,
     no penalties, no bias, no logprobs; with ``vocab_size``, an ``allowed`` mask of all ones."""
     allowed = None
     if vocab_size is not None:
-        allowed = np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32)
+        allowed = np.full((num_seqs, bitmask_width(vocab_size)), -1, np.int32)
     return SamplingMetadata(
         temperature=np.zeros(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32),

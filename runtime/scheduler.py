@@ -163,11 +163,11 @@ class Scheduler:
             if seq.forks and seq.num_computed >= len(seq.prompt_ids):
                 self._release_forks(seq)
             reason, sampled_here = None, item.reaches_end  # before the new tokens extend it
-            for i, token in enumerate(tokens if sampled_here else ()):
+            for i, token in enumerate(int(t) for t in (tokens if sampled_here else ())):
                 # Token i was sampled after the step fed token i - 1 back: its K/V are cached.
                 seq.num_computed = item.start + item.length + i
-                seq.output_ids.append(int(token))
-                reason = self._finish_reason(seq, int(token))
+                seq.output_ids.append(token)
+                reason = self._advance_grammar(seq, token) or self._finish_reason(seq, token)
                 if reason is not None:
                     break
             self._register_full_pages(seq)  # before finishing: a finished prefix stays cached
@@ -177,16 +177,23 @@ class Scheduler:
                 changed.append(seq)
         return changed
 
+    def _advance_grammar(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Feed a sampled token to the sequence's matcher: ERROR when the grammar refuses it
+        (the mask allowed it, so the matcher disagrees), STOP at EOS once it is complete (also
+        with ignore_eos)."""
+        if seq.matcher is None:
+            return None
+        if not seq.matcher.accept(token):
+            logger.error(
+                "%s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.error
+            )
+            return FinishReason.ERROR
+        if token in self.eos_token_ids and seq.matcher.done:
+            return FinishReason.STOP
+        return None
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
-        if seq.matcher is not None:
-            if not seq.matcher.accept(token):  # the mask allowed it: the matcher disagrees
-                logger.error(
-                    "%s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.error
-                )
-                return FinishReason.ERROR
-            if token in self.eos_token_ids and seq.matcher.done:
-                return FinishReason.STOP  # the grammar is complete (also with ignore_eos)
         stops = (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids
         # The sampler suppresses stop tokens before min_tokens; this guards the count anyway.
         if stops and len(seq.output_ids) > sp.min_tokens:

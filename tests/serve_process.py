@@ -31,11 +31,11 @@ def serve_command() -> list[str]:
 
 
 @contextmanager
-def running_server(args: list[str], log: Path, stop_timeout: float = 30) -> Iterator[ServerProcess]:
-    """Start the server on a free port, wait for its ready line, stop it with Ctrl-C (SIGINT).
-
-    After the block, ``returncode`` holds the exit status and the log has the server's stderr.
-    """
+def launched_server(
+    args: list[str], log: Path
+) -> Iterator[tuple[subprocess.Popen[str], ServerProcess]]:
+    """Start the server on a free port and wait for its ready line; the process is killed after
+    the block if it is still running (the caller stops it as the test needs)."""
     with log.open("w") as stderr:
         proc = subprocess.Popen(
             [*serve_command(), "--port", "0", *args],
@@ -44,19 +44,31 @@ def running_server(args: list[str], log: Path, stop_timeout: float = 30) -> Iter
             stderr=stderr,
             text=True,
         )
-    server = None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed once warmup is done and the socket listens
         match = SERVING_LINE.search(line)
         assert match, f"unexpected first line {line!r}; log:\n{log.read_text()[-3000:]}"
-        server = ServerProcess(match["url"], match["model"], log, pid=proc.pid)
-        yield server
+        yield proc, ServerProcess(match["url"], match["model"], log, pid=proc.pid)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=stop_timeout)
-        finally:
+        if proc.poll() is None:
             proc.kill()
-        if server is not None:
+            proc.wait()
+
+
+@contextmanager
+def running_server(args: list[str], log: Path, stop_timeout: float = 30) -> Iterator[ServerProcess]:
+    """``launched_server``, stopped with Ctrl-C (SIGINT) after the block.
+
+    After the block, ``returncode`` holds the exit status and the log has the server's stderr.
+    """
+    with launched_server(args, log) as (proc, server):
+        try:
+            yield server
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=stop_timeout)
+            finally:
+                proc.kill()
             server.returncode = proc.returncode

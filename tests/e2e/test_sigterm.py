@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_process import REPO_ROOT, SERVING_LINE, serve_command
+from tests.serve_process import launched_server
 
 pytestmark = pytest.mark.e2e
 
@@ -25,24 +25,8 @@ pytestmark = pytest.mark.e2e
 @contextmanager
 def server(args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``runtime-serve --port 0 ARGS``, once ready: (process, base URL without /v1)."""
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [*serve_command(), "--port", "0", *args],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = SERVING_LINE.search(line)
-        assert match, f"unexpected first line {line!r}; log:\n{log.read_text()[-3000:]}"
-        yield proc, match["url"].removesuffix("/v1")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with launched_server(args, log) as (proc, started):
+        yield proc, started.url.removesuffix("/v1")
 
 
 @dataclass

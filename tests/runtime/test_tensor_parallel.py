@@ -62,25 +62,7 @@ def test_dense_llama_over_2_and_4_devices(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_moe_model_over_2_devices(tmp_path: Path) -> None:
-    import transformers
-
-    config = transformers.Qwen2MoeConfig(
-        **{**BASE, "num_attention_heads": 4, "num_key_value_heads": 2},
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-    )
-    save_random_model(config, tmp_path)
-    save_byte_tokenizer(tmp_path)
-    results = run_sharded(tmp_path, "1,2")
-    assert results["2"]["tokens"] == results["1"]["tokens"]
-    assert set(results["2"]["cache_bytes"]) == {results["1"]["cache_bytes"][0] // 2}
-
-
-@pytest.mark.slow
-def test_experts_split_over_2_and_4_devices(tmp_path: Path) -> None:
+def test_moe_model_with_replicated_or_split_experts(tmp_path: Path) -> None:
     import transformers
 
     config = transformers.Qwen2MoeConfig(
@@ -92,6 +74,12 @@ def test_experts_split_over_2_and_4_devices(tmp_path: Path) -> None:
     )
     save_random_model(config, tmp_path)
     save_byte_tokenizer(tmp_path)
+    # Tensor parallelism alone: attention and the shared expert split, the routed experts
+    # replicated on every device.
+    replicated = run_sharded(tmp_path, "1,2")
+    assert replicated["2"]["tokens"] == replicated["1"]["tokens"]
+    assert set(replicated["2"]["expert_bytes"]) == set(replicated["1"]["expert_bytes"])
+    # With expert parallelism the experts split too.
     results = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
     check_split(results)
     # Decode gathers the routed experts' weights, prefill runs them grouped: both paths ran.
