@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
+from api.cluster_flags import add_cluster_flags, cluster_config
 from api.env_file import load_env_file
 from api.service_flags import add_service_flags, generation_config_defaults, server_config
 from runtime.config import (
@@ -293,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(parser.add_argument_group("engine"))
     _add_server_flags(parser.add_argument_group("server"))
     add_service_flags(parser)
+    add_cluster_flags(parser)
     return parser
 
 
@@ -364,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = _config_from_args(args)
+        cluster = cluster_config(args)
         server_config(args)  # validate the service flags before loading anything
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
@@ -371,10 +374,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(args.log)
     except OSError as exc:
         parser.error(f"cannot open log file {args.log}: {exc}")
+    from runtime.multihost import ClusterError, Leader, finish, follow, initialize
     from runtime.platform import DeviceUnavailableError, select_platform
     from runtime.sources import ModelSourceError
 
+    leader: Leader | None = None
     try:
+        initialize(cluster)  # before anything else uses JAX
         if args.device is not None:
             select_platform(args.device)
         engine = _build_engine(config, args.mock_engine)
@@ -382,7 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             None if args.mock_engine else generation_config_defaults(args.model_id)
         )
         server = server_config(args, generation_defaults)
-    except (ModelSourceError, DeviceUnavailableError, ValueError, OSError) as exc:
+        if cluster.multi and not cluster.leads:
+            follow(cluster, engine)  # until rank 0 says stop
+            engine.shutdown()
+            finish(cluster)
+            return 0
+        if cluster.multi:
+            leader = Leader.accept(cluster)
+            leader.attach(engine)
+    except (ModelSourceError, DeviceUnavailableError, ClusterError, ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -397,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         return 130
+    finally:
+        if leader is not None:
+            leader.close()
+            finish(cluster)
 
 
 if __name__ == "__main__":

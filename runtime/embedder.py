@@ -23,7 +23,7 @@ from models.registry import ModelSpec
 from runtime.buckets import pick
 from runtime.compiled_shapes import CompiledShapes
 from runtime.request import MAX_TOP_LOGPROBS, TokenLogprobs
-from runtime.sharding import placed
+from runtime.sharding import placed, replicated_sharding
 
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
@@ -37,13 +37,18 @@ class EmbeddingRunner:
             raise ValueError(f"{spec.hf_architecture} has no hidden_states forward for embeddings")
         self.weights = weights
         self.lengths = embedding_lengths(max_model_len)
-        self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config))
+        # On a mesh the outputs are replicated, so every process of a multi-node run reads them.
+        replicated = replicated_sharding(weights)
+        out = {} if replicated is None else {"out_shardings": replicated}
+        self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config), **out)
         self._score = None
         if spec.lm_head is not None:
             self._score = jax.jit(
-                functools.partial(_score, spec.hidden_states, spec.lm_head, config)
+                functools.partial(_score, spec.hidden_states, spec.lm_head, config), **out
             )
         self.compiled = CompiledShapes("cache-free forward", self._lower)
+        # Multi-node (runtime.multihost): sees each forward before it runs, on process 0.
+        self.mirror: Callable[..., None] | None = None
 
     def keys(self) -> list[tuple[str, int]]:
         """Every (function, length bucket) compiled: pooling, and prompt scoring when available."""
@@ -61,7 +66,7 @@ class EmbeddingRunner:
         """The pooled, unnormalised embedding of one input (``1 <= len <= max_model_len``)."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        mean, last = self._call("pool", token_ids)
+        mean, last = self.forward("pool", token_ids)
         return np.asarray(mean if pooling == "mean" else last)[0]
 
     def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
@@ -69,7 +74,7 @@ class EmbeddingRunner:
         context), with the ``top`` most likely alternatives; values are the plain log-softmax."""
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        chosen, top_ids, top_values = (np.asarray(a)[0] for a in self._call("score", token_ids))
+        chosen, top_ids, top_values = (np.asarray(a)[0] for a in self.forward("score", token_ids))
         out: list[TokenLogprobs | None] = [None]
         for i in range(1, len(token_ids)):  # row i - 1 predicts token i
             alternatives = tuple(
@@ -79,8 +84,11 @@ class EmbeddingRunner:
             out.append(TokenLogprobs(token_ids[i], float(chosen[i - 1]), alternatives))
         return out
 
-    def _call(self, kind: str, token_ids: list[int]) -> Any:
-        """Run the precompiled ``kind`` function on ``token_ids`` padded to their length bucket."""
+    def forward(self, kind: str, token_ids: list[int]) -> Any:
+        """Run the precompiled ``kind`` function on ``token_ids`` padded to their length bucket
+        (``mirror`` sees the call first)."""
+        if self.mirror is not None:
+            self.mirror("forward", kind, token_ids)
         length = pick(self.lengths, len(token_ids))
         fn = self.compiled.get((kind, length))
         tokens = np.zeros((1, length), np.int32)

@@ -90,10 +90,11 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, compile_all: bool = False) -> None:
+    def start(self, compile_all: bool = False, loop: bool = True) -> None:
         """Compile what the first requests need, start the loop thread, and compile every other
-        bucket on a background thread (before returning when ``compile_all``)."""
-        if self._thread is not None:
+        bucket on a background thread (before returning when ``compile_all``). Without ``loop``
+        only the compiling happens: a multi-node follower replays the leader's calls instead."""
+        if self._thread is not None or self._compiler is not None:
             return
         first, rest = self.runner.startup_shapes()
         if compile_all:
@@ -116,8 +117,9 @@ class Engine:
                 )
             else:
                 background.append((self.embedder.compiled, self.embedder.keys()))
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        if loop:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
         self._compiler = threading.Thread(
             target=self._compile_background, args=(background,), name="compile", daemon=True
         )

@@ -8,7 +8,7 @@ buckets in ``warmup``, the rest on a background thread right after (see ``Compil
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from runtime.sampler import (
     sample,
 )
 from runtime.scheduler import ScheduledBatch, ScheduledSeq, StepKind
-from runtime.sharding import placed
+from runtime.sharding import placed, replicated_sharding
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
 MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
@@ -77,9 +77,13 @@ class ModelRunner:
         self.decode_steps = decode_steps
         # With a device mesh the updated cache keeps the input's sharding (runtime.sharding).
         forward = functools.partial(_constrained, spec.forward, cache_sharding)
-        self._step = jax.jit(functools.partial(_step, forward, config), donate_argnums=(1,))
+        # The sampled tokens (and logprobs) are replicated, so every process can read them.
+        replicated = replicated_sharding(cache_sharding)
+        self._step = jax.jit(
+            functools.partial(_step, forward, config, replicated), donate_argnums=(1,)
+        )
         self._multi_step = jax.jit(
-            functools.partial(_multi_step, forward, config),
+            functools.partial(_multi_step, forward, config, replicated),
             static_argnums=(0,),
             donate_argnums=(2,),
         )
@@ -88,9 +92,11 @@ class ModelRunner:
         # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
-            n: jax.device_put(np.full((n, bitmask_width(self.vocab_size)), -1, np.int32))
+            n: jax.device_put(np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), replicated)
             for n in {1, *plan.decode_seqs}
         }
+        # Multi-node (runtime.multihost): sees each device call before it runs, on process 0.
+        self.mirror: Callable[..., None] | None = None
 
     def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
@@ -124,16 +130,33 @@ class ModelRunner:
         """
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
-        if batch.num_steps > 1 and (*shape, batch.num_steps) in self.compiled:
-            step = self.compiled.get((*shape, batch.num_steps))
-            tokens, self.cache = step(self.weights, self.cache, step_batch, meta)
+        steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
+        if steps > 1:
+            tokens, _ = self.execute(step_batch, meta, steps)
             return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
-        step = self.compiled.get((*shape, 1))
-        out, self.cache = step(self.weights, self.cache, step_batch, meta)
+        _, out = self.execute(step_batch, meta, 1)
         result = StepResult([[t] for t in np.asarray(out.token_ids)[: len(batch.items)].tolist()])
         if np.any(meta.wants_logprobs):
             result.logprobs = _host_logprobs(batch.items, out)
         return result
+
+    def execute(
+        self, step_batch: StepBatch, meta: SamplingMetadata, steps: int
+    ) -> tuple[jax.Array, SamplerOutput | None]:
+        """The device part of ``run``: ``steps`` steps of the compiled bucket on prepared inputs;
+        (tokens [num_seqs, steps] of a multi-step call, None) or (None, the sampler's output).
+        ``mirror`` (multi-node) sees the call first; a ``None`` grammar mask means all-ones."""
+        if self.mirror is not None:
+            shared = meta if isinstance(meta.allowed, np.ndarray) else meta.replace(allowed=None)
+            self.mirror("execute", step_batch, shared, steps)
+        if meta.allowed is None:
+            meta = meta.replace(allowed=self._all_allowed[step_batch.tokens.shape[0]])
+        key = (*step_batch.tokens.shape, step_batch.page_indices.shape[1], steps)
+        if steps > 1:
+            tokens, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
+            return tokens, None
+        out, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
+        return None, out
 
     def cache_lost(self) -> bool:
         """True when a failed step had already consumed the donated KV cache: no sequence can
@@ -146,6 +169,12 @@ class ModelRunner:
         repeating its first page, so few shapes compile."""
         ids = np.full(1 << (len(pages) - 1).bit_length(), pages[0], np.int32)
         ids[: len(pages)] = pages
+        self.fill_page_ids(ids)
+
+    def fill_page_ids(self, ids: np.ndarray) -> None:
+        """The device part of ``fill_pages`` (``mirror`` sees it first)."""
+        if self.mirror is not None:
+            self.mirror("fill_page_ids", ids)
         self.cache = self._fill(self.cache, ids)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
@@ -207,18 +236,24 @@ def _constrained(
 def _step(
     forward: Any,
     config: Any,
+    replicated: Any,
     weights: Any,
     cache: KVCache,
     batch: StepBatch,
     meta: SamplingMetadata,
 ) -> tuple[jax.Array, KVCache]:
     logits, cache = forward(config, weights, cache, batch)
-    return sample(logits, meta), cache
+    return _replicate(sample(logits, meta), replicated), cache
+
+
+def _replicate(tree: Any, sharding: Any) -> Any:
+    return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
 
 
 def _multi_step(
     forward: Any,
     config: Any,
+    replicated: Any,
     num_steps: int,
     weights: Any,
     cache: KVCache,
@@ -241,7 +276,7 @@ def _multi_step(
         return (cache, batch, meta), tokens
 
     (cache, _, _), tokens = jax.lax.scan(one, (cache, batch, meta), None, length=num_steps)
-    return tokens.T, cache
+    return _replicate(tokens.T, replicated), cache
 
 
 def _sampling_metadata(

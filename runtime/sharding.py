@@ -60,9 +60,18 @@ def build_mesh(devices: Sequence[int] | None, tensor_parallel_size: int) -> Mesh
             f"device {missing[0]} does not exist: {len(available)} {available[0].platform} "
             f"device(s) are visible (0 to {len(available) - 1})"
         )
+    chosen = [available[d] for d in devices]
+    processes = jax.process_count()
+    if processes > 1 and len({d.process_index for d in chosen}) < processes:
+        raise ShardingError(
+            f"the mesh must use devices of all {processes} processes: "
+            f"--tensor-parallel-size {tensor_parallel_size} over devices {list(devices)} "
+            f"leaves some out ({len(available)} devices in all, "
+            f"{jax.local_device_count()} per process)"
+        )
     if tensor_parallel_size == 1 and devices == [0]:
         return None
-    return Mesh(np.array([available[d] for d in devices]), (AXIS,))
+    return Mesh(np.array(chosen), (AXIS,))
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) -> None:
@@ -134,6 +143,16 @@ def shard_weights(weights: Any, mesh: Mesh, expert_parallel: bool = False) -> An
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
     """Shardings of a ``KVCache`` pytree: K, V and their row scales split over KV heads."""
     return jax.tree.map(lambda a: NamedSharding(mesh, _spec(a.ndim, 3)), cache)
+
+
+def replicated_sharding(tree: Any) -> NamedSharding | None:
+    """A sharding that replicates a value over the mesh of ``tree``'s shardings (None when
+    they are not on a mesh): what every process of a multi-node run can read whole."""
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding)):
+        sharding = leaf if isinstance(leaf, NamedSharding) else getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    return None
 
 
 def placed(tree: Any) -> Any:
