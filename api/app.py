@@ -1,9 +1,12 @@
 """The Litestar application: ``create_app(engine)`` wires routes, errors and the engine's lifetime.
 
-1. The lifespan context starts the engine (compiling and warming up, in a worker thread so the event
-   loop stays free) before the first request, and shuts it down after the last connection closed.
-2. Route handlers receive the engine, and the served model's card, by dependency injection; there
-   is no module-level state, so several apps (e.g. in tests) can live in one process.
+1. The lifespan context starts the engines (compiling and warming up, in a worker thread so the
+   event loop stays free; one after another) before the first request, and shuts them down after
+   the last connection closed.
+2. Route handlers receive the app's ``ModelRegistry`` (``api.model_registry``: one engine, or
+   several named models) and the model cards by dependency injection, and run on the engine of
+   the model the request names; there is no module-level state, so several apps (e.g. in tests)
+   can live in one process.
 3. Every error leaves as the OpenAI envelope (``api.errors``).
 4. ``ServerConfig`` (``api.config``) adds the API key guard, CORS, the body size cap, sampling
    defaults and served-model aliases; each app has its own Prometheus registry (``api.metrics``).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -36,6 +39,7 @@ from api.draining import Drain, DrainMiddleware, retry_later_headers
 from api.errors import APIError, exception_handlers
 from api.mcp import McpClients
 from api.metrics import Metrics
+from api.model_registry import ModelRegistry, ServedModel
 from api.protocol import ErrorResponse, ModelCard
 from api.request_id import response_hook
 from api.responses_store import ResponseStore
@@ -54,33 +58,35 @@ def _overloaded(_: Request[Any, Any, Any], exc: EngineOverloadedError) -> Respon
 
 
 def create_app(
-    engine: EngineClient,
+    models: EngineClient | Sequence[ServedModel],
     *,
     config: ServerConfig | None = None,
     debug: bool = False,
     drain: Drain | None = None,
 ) -> Litestar:
-    """An OpenAI-compatible app serving ``engine``; the app owns the engine's start and shutdown.
+    """An OpenAI-compatible app serving ``models`` (one engine, or several ``ServedModel``s each
+    answering to its engine's ``model_name``); the app owns the engines' start and shutdown.
 
     ``drain`` is the shutdown state the server's SIGTERM handler drives (a fresh one if None).
+    The app's ``ModelRegistry`` is ``app.state.models``.
 
     Logging is left to the caller (``api.cli`` configures it), so importing or embedding the app
     never reconfigures the process's loggers. Raises ValueError when ``config`` names served
-    models whose first (the reported name) is not ``engine.model_name``.
+    models whose first (the reported name) is not the engine's ``model_name``, names aliases for
+    several models, or when two models answer to one name.
     """
     config = config or ServerConfig()
-    names = config.model_names(engine.model_name)
-    if names[0] != engine.model_name:
-        raise ValueError(
-            f"the first served model name ({names[0]!r}) must be the engine's model_name "
-            f"({engine.model_name!r}): responses report it"
-        )
+    served = list(models) if isinstance(models, Sequence) else [ServedModel(models)]
+    registry = ModelRegistry(served, config)
     created = int(time.time())
     model_cards = [
-        ModelCard(id=name, created=created, owned_by=OWNED_BY, max_model_len=engine.max_model_len)
-        for name in names
+        ModelCard(
+            id=name, created=created, owned_by=OWNED_BY, max_model_len=entry.engine.max_model_len
+        )
+        for entry in registry.entries
+        for name in entry.names
     ]
-    metrics = Metrics(engine)
+    metrics = Metrics([entry.engine for entry in registry.entries])
     drain = drain or Drain()
     mcp = McpClients(config.mcp_servers, config.mcp_timeout_s, config.mcp_max_output_bytes)
 
@@ -94,24 +100,25 @@ def create_app(
 
     @asynccontextmanager
     async def engine_lifespan(_: Litestar) -> AsyncIterator[None]:
-        logger.info("starting engine for %s", engine.model_name)
-        await asyncio.to_thread(engine.start)
-        logger.info("engine ready: %s (max_model_len=%d)", engine.model_name, engine.max_model_len)
         try:
+            for entry in registry.entries:
+                logger.info("starting engine for %s", entry.name)
+                await asyncio.to_thread(entry.engine.start)
+                logger.info(
+                    "engine ready: %s (max_model_len=%d)", entry.name, entry.engine.max_model_len
+                )
             yield
         finally:
-            logger.info("shutting down engine")
-            await drain.shutdown_engine(engine)
+            logger.info("shutting down engines: %s", ", ".join(e.name for e in registry.entries))
+            await drain.shutdown_engine(registry)
 
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
         lifespan=[mcp_lifespan, engine_lifespan],
-        dependencies=provide_dependencies(
-            engine, model_cards, config, metrics, mcp, ResponseStore()
-        ),
+        dependencies=provide_dependencies(registry, model_cards, metrics, mcp, ResponseStore()),
         exception_handlers={**exception_handlers(), EngineOverloadedError: _overloaded},
         middleware=[DrainMiddleware(drain)],
-        state=State({"drain": drain, "mcp": mcp}),
+        state=State({"drain": drain, "mcp": mcp, "models": registry}),
         guards=[api_key_guard(config.api_key)] if config.api_key else [],
         before_send=[response_hook(metrics)],
         cors_config=CORSConfig(allow_origins=list(config.allowed_origins))

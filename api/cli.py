@@ -1,13 +1,14 @@
 """``runtime-serve``: build an engine from command-line flags and serve it over HTTP.
 
 1. Load ``.env`` from the working directory (``api.env_file``; set variables win), then parse
-   the flags into an ``EngineConfig`` (bad values: a one-line ``runtime-serve: error: ...``
-   and exit status 2, before anything heavy is imported).
-2. Build the engine (resolve and load the model; errors: one line, exit status 1).
-3. Serve ``create_app(engine)`` with uvicorn; the app's lifespan connects the MCP servers of
-   ``--mcp-config`` (a failure: one line, exit status 1) and starts the engine (compilation and
+   the flags into an ``EngineConfig``, or one per model of ``--models-config`` (the flags as
+   their defaults; ``api.models_config``). Bad values: a one-line ``runtime-serve: error: ...``
+   and exit status 2, before anything heavy is imported.
+2. Build the engines (resolve and load each model; errors: one line, exit status 1).
+3. Serve ``create_app(models)`` with uvicorn; the app's lifespan connects the MCP servers of
+   ``--mcp-config`` (a failure: one line, exit status 1) and starts the engines (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
-   is printed.
+   is printed (several models: their names joined by commas).
 4. SIGTERM drains (``api.server``): no new requests, up to ``--shutdown-timeout`` for those in
    flight, the rest aborted, exit status 0. Ctrl-C stops sooner, with exit status 130.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +25,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from api.cluster_flags import add_cluster_flags, cluster_config
 from api.env_file import load_env_file
-from api.service_flags import add_service_flags, generation_config_defaults, server_config
+from api.models_config import load_models_config
+from api.service_flags import (
+    add_service_flags,
+    generation_config_defaults,
+    sampling_flags,
+    server_config,
+)
 from runtime.config import (
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_ID,
@@ -36,9 +44,11 @@ from runtime.config import (
 
 if TYPE_CHECKING:
     from api.config import ServerConfig
+    from api.model_registry import ServedModel
     from runtime.interface import EngineClient
 
 PROG = "runtime-serve"
+MODELS_CONFIG_ENV = "RUNTIME_MODELS_CONFIG"
 # Drain, abort and exit within Kubernetes' default 30 s between SIGTERM and SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25
 STARTED = time.monotonic()  # module import: close enough to process start
@@ -88,9 +98,19 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--model-id",
         "--m",
-        default=DEFAULT_MODEL_ID,
+        default=None,
         help="a packaged alias (smollm2-135m-instruct, gemma3-270m), a local HF-layout folder, "
-        "a local .gguf file, or a Hugging Face repo id (default: %(default)s)",
+        f"a local .gguf file, or a Hugging Face repo id (default: {DEFAULT_MODEL_ID})",
+    )
+    group.add_argument(
+        "--models-config",
+        default=os.environ.get(MODELS_CONFIG_ENV) or None,
+        metavar="PATH",
+        help="serve the named models of this YAML file (models: {name: {model_id: ..., "
+        "max_num_seqs: ..., ...}}; see example.models.yaml), each with its own engine, routed by "
+        "the request's `model`; options a model leaves out take the engine flags' values; not "
+        "with --model-id, --weight-file or --served-model-name "
+        f"(default: ${MODELS_CONFIG_ENV}, else the one model of --model-id)",
     )
     group.add_argument(
         "--weight-file",
@@ -300,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model_id=args.model_id,
+        model_id=args.model_id or DEFAULT_MODEL_ID,
         weight_file=args.weight_file,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
@@ -321,6 +341,26 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         debug_fill_freed_pages=args.debug_fill_freed_pages,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )
+
+
+def _engine_configs(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
+    """One engine config per model to serve: the flags', or each of ``--models-config`` over
+    them. ValueError for a bad value or file, or a flag that names the model beside the file."""
+    base = _config_from_args(args)
+    if args.models_config is None:
+        return (base,)
+    naming = {
+        "--model-id": args.model_id,
+        "--weight-file": args.weight_file,
+        "--served-model-name": args.served_model_name,
+    }
+    given = [flag for flag, value in naming.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"{given[0]} cannot be combined with --models-config (or ${MODELS_CONFIG_ENV}): the "
+            "file names each model and its source"
+        )
+    return load_models_config(args.models_config, base)
 
 
 def _configure_logging(log_path: str | None) -> None:
@@ -346,13 +386,36 @@ def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
     return build_engine(config)
 
 
+def _load_models(configs: Sequence[EngineConfig], args: argparse.Namespace) -> list[ServedModel]:
+    """Each model's engine, with its sampling defaults: the flags over its generation_config.
+    A model of ``--models-config`` that cannot be loaded is a ValueError naming it."""
+    from api.model_registry import ServedModel
+    from runtime.sources import ModelSourceError
+
+    flags = sampling_flags(args)
+    models = []
+    for config in configs:
+        try:
+            engine = _build_engine(config, args.mock_engine)
+            defaults = None
+            if not args.mock_engine:
+                defaults = flags.over(generation_config_defaults(config.model_id))
+        except (ModelSourceError, ValueError, OSError) as exc:
+            if args.models_config is None:
+                raise
+            name = config.served_model_name
+            raise ValueError(f"{args.models_config}: model {name!r}: {exc}") from None
+        models.append(ServedModel(engine, defaults))
+    return models
+
+
 def _serve(
-    engine: EngineClient, host: str, port: int, server: ServerConfig, shutdown_timeout_s: int
+    models: list[ServedModel], host: str, port: int, server: ServerConfig, shutdown_timeout_s: int
 ) -> bool:
     """Run uvicorn until SIGTERM or Ctrl-C; False when the app failed to start (engine error)."""
     from api.server import serve
 
-    return serve(engine, host, port, server, shutdown_timeout_s, STARTED)
+    return serve(models, host, port, server, shutdown_timeout_s, STARTED)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = _config_from_args(args)
+        configs = _engine_configs(args)
         cluster = cluster_config(args)
         server_config(args)  # validate the service flags before loading anything
     except ValueError as exc:
@@ -383,19 +446,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         initialize(cluster)  # before anything else uses JAX
         if args.device is not None:
             select_platform(args.device)
-        engine = _build_engine(config, args.mock_engine)
-        generation_defaults = (
-            None if args.mock_engine else generation_config_defaults(args.model_id)
-        )
-        server = server_config(args, generation_defaults)
+        models = _load_models(configs, args)
+        server = server_config(args)
         if cluster.multi and not cluster.leads:
-            follow(cluster, engine)  # until rank 0 says stop
-            engine.shutdown()
+            follow(cluster, models[0].engine)  # until rank 0 says stop
+            models[0].engine.shutdown()
             finish(cluster)
             return 0
         if cluster.multi:
             leader = Leader.accept(cluster)
-            leader.attach(engine)
+            leader.attach(models[0].engine)
     except (ModelSourceError, DeviceUnavailableError, ClusterError, ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
@@ -404,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from api.mcp import McpStartupError
 
     try:
-        started = _serve(engine, args.host, args.port, server, args.shutdown_timeout)
+        started = _serve(models, args.host, args.port, server, args.shutdown_timeout)
         return 0 if started else 1
     except McpStartupError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

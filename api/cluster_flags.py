@@ -45,4 +45,6 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     cluster = ClusterConfig(args.num_nodes, args.node_rank, args.coordinator_address)
     if cluster.multi and getattr(args, "mock_engine", False):
         raise ValueError("--num-nodes > 1 serves a real model; drop --mock-engine")
+    if cluster.multi and getattr(args, "models_config", None):
+        raise ValueError("--num-nodes > 1 serves one model; drop --models-config")
     return cluster

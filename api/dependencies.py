@@ -2,7 +2,13 @@
 
 Litestar checks injected values against the parameter's annotation with ``isinstance``, which a
 plain ``typing.Protocol`` such as ``EngineClient`` does not support, so handlers annotate the
-engine as ``EngineDep`` (validation skipped: the value comes from ``create_app``, not a client).
+engine as ``EngineDep`` and the registry as ``ModelsDep`` (validation skipped: the values come
+from ``create_app``, not a client).
+
+A route that serves a model receives ``models`` (the app's ``ModelRegistry``), decodes its body
+and calls ``models.resolve(body.model)``: the entry it gets holds the engine that answers and
+the settings its request runs with. Decoding first keeps a malformed body a 400 whatever model
+it names; a well-formed one naming no served model is a 404.
 """
 
 from __future__ import annotations
@@ -15,31 +21,33 @@ from litestar.params import Dependency
 from api.config import ServerConfig
 from api.mcp import McpClients
 from api.metrics import Metrics
+from api.model_registry import ModelRegistry
 from api.protocol import ModelCard
 from api.responses_store import ResponseStore
 from runtime.interface import EngineClient
 
 EngineDep = Annotated[EngineClient, Dependency(skip_validation=True)]
+ModelsDep = Annotated[ModelRegistry, Dependency(skip_validation=True)]
 
 
 def provide_dependencies(
-    engine: EngineClient,
+    models: ModelRegistry,
     model_cards: list[ModelCard],
-    config: ServerConfig,
     metrics: Metrics,
     mcp: McpClients,
     response_store: ResponseStore,
 ) -> dict[str, Provide]:
-    """Providers for ``engine`` (an ``EngineDep``), ``model_card`` (the reported name's card),
-    ``model_cards`` (one per served name), ``config`` (``ServerConfig``), ``metrics``, ``mcp``
-    (the MCP servers' tools) and ``response_store`` (recent /v1/responses results)."""
+    """Providers for ``models`` (a ``ModelsDep``), ``model_cards`` (one per served name of every
+    model), ``config`` (the server-wide ``ServerConfig``; a model's own names and sampling
+    defaults come with its ``ModelEntry``), ``metrics``, ``mcp`` (the MCP servers' tools) and
+    ``response_store`` (recent /v1/responses results)."""
 
     def constant(value: object) -> Provide:
         return Provide(lambda: value, sync_to_thread=False, use_cache=True)
 
+    config: ServerConfig = models.config
     return {
-        "engine": constant(engine),
-        "model_card": constant(model_cards[0]),
+        "models": constant(models),
         "model_cards": constant(model_cards),
         "config": constant(config),
         "metrics": constant(metrics),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
 
 import msgspec
 from litestar.enums import ScopeType
@@ -25,7 +26,6 @@ from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import APIError
-from runtime.interface import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,14 @@ ABORT_FLUSH_S = 2.0  # for aborted responses to reach their clients
 RETRY_AFTER_S = 1  # the Retry-After of every 503 that asks the client to come back
 PASS_WHILE_DRAINING = frozenset({"/health", "/metrics"})
 _POLL_S = 0.05
+
+
+class Stoppable(Protocol):
+    """An engine, or the app's ``ModelRegistry`` (which stops all of its engines)."""
+
+    def shutdown(self) -> None:
+        """Stop; unfinished requests end with finish_reason ``abort``."""
+        ...
 
 
 class Drain:
@@ -62,14 +70,14 @@ class Drain:
         self._hurry = False
         return not self.in_flight
 
-    async def shutdown_engine(self, engine: EngineClient) -> None:
+    async def shutdown_engine(self, engine: Stoppable) -> None:
         """``engine.shutdown()`` in a worker thread, once: a second call (the app's lifespan
         after a drain) waits for the first instead of racing it."""
         if self._engine_stopped is None:
             self._engine_stopped = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))
         await asyncio.shield(self._engine_stopped)
 
-    async def run(self, engine: EngineClient, timeout_s: float) -> bool:
+    async def run(self, engine: Stoppable, timeout_s: float) -> bool:
         """Drain: refuse new requests, give those in flight ``timeout_s`` to finish, then shut
         the engine down so that the rest end with an error. True when none had to be aborted."""
         self.start()

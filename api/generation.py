@@ -91,18 +91,21 @@ class Generation:
         stop: tuple[str, ...],
         timing: RequestTiming | None = None,
         metrics: Metrics | None = None,
+        model_name: str = "",
     ) -> None:
         self._deltas = deltas
         self._first = first
         self._stop = stop
         self._timing = timing or RequestTiming()
         self._metrics = metrics
+        self._model_name = model_name  # the metrics' label
 
     def _finished(self, delta: GenerationDelta, finish_reason: str) -> Usage:
         """The final usage; records the request's latencies and tokens in the metrics."""
         self._timing.mark_finished()
         if self._metrics is not None:
             self._metrics.observe_finished(
+                self._model_name,
                 finish_reason,
                 delta.num_prompt_tokens,
                 delta.num_output_tokens,
@@ -212,7 +215,7 @@ async def start_generation(
         raise
     timing.mark_first_token()
     return [
-        Generation(stream, first, stop, timing, metrics)
+        Generation(stream, first, stop, timing, metrics, engine.model_name)
         for stream, first in zip(streams, firsts, strict=True)
     ]
 

@@ -1,7 +1,8 @@
 """uvicorn for ``runtime-serve``: announce readiness, drain on SIGTERM.
 
-1. Once the socket listens (the app's lifespan has started the engine), ``Serving <model> on
-   http://host:port/v1 (ready in Ns)`` is printed and logged; scripts and tests wait for it.
+1. Once the socket listens (the app's lifespan has started the engines), ``Serving <model> on
+   http://host:port/v1 (ready in Ns)`` is printed and logged (several models: their names joined
+   by commas); scripts and tests wait for it.
 2. SIGTERM drains instead of stopping at once (``api.draining``): new requests get a 503 and
    ``/health`` turns 503 while the socket stays open, the requests in flight get
    ``shutdown_timeout_s`` to finish and the rest are aborted with an error. Then uvicorn closes
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
@@ -26,6 +28,7 @@ from api.app import create_app
 from api.config import ServerConfig
 from api.draining import Drain
 from api.mcp import McpClients
+from api.model_registry import ModelRegistry, ServedModel
 from runtime.interface import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -37,13 +40,13 @@ class _Server(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        engine: EngineClient,
+        models: ModelRegistry,
         drain: Drain,
         shutdown_timeout_s: float,
         started_at: float,
     ) -> None:
         super().__init__(config)
-        self._engine = engine
+        self._models = models
         self._drain = drain
         self._shutdown_timeout_s = shutdown_timeout_s
         self._started_at = started_at
@@ -55,10 +58,8 @@ class _Server(uvicorn.Server):
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             ready = time.monotonic() - self._started_at
-            line = (
-                f"Serving {self._engine.model_name} on http://{host}:{port}/v1 "
-                f"(ready in {ready:.1f}s)"
-            )
+            names = ",".join(entry.name for entry in self._models.entries)
+            line = f"Serving {names} on http://{host}:{port}/v1 (ready in {ready:.1f}s)"
             logger.info(line)
             print(line, flush=True)
 
@@ -79,24 +80,24 @@ class _Server(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await self._drain.run(self._engine, self._shutdown_timeout_s)
+            await self._drain.run(self._models, self._shutdown_timeout_s)
         finally:
             self.should_exit = True
 
 
 def serve(
-    engine: EngineClient,
+    models: EngineClient | Sequence[ServedModel],
     host: str,
     port: int,
     server: ServerConfig,
     shutdown_timeout_s: float,
     started_at: float,
 ) -> bool:
-    """Serve ``create_app(engine)`` until SIGTERM or SIGINT; False when the app failed to start
+    """Serve ``create_app(models)`` until SIGTERM or SIGINT; False when the app failed to start
     (an engine startup error). ``started_at`` (``time.monotonic()``) is when the process began,
     for the ready line. Raises ``McpStartupError`` when an MCP server could not be connected."""
     drain = Drain()
-    app = create_app(engine, config=server, drain=drain)
+    app = create_app(models, config=server, drain=drain)
     config = uvicorn.Config(
         app,
         host=host,
@@ -105,7 +106,7 @@ def serve(
         log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    uvicorn_server = _Server(config, engine, drain, shutdown_timeout_s, started_at)
+    uvicorn_server = _Server(config, app.state.models, drain, shutdown_timeout_s, started_at)
     mcp: McpClients = app.state.mcp
     try:
         uvicorn_server.run()

@@ -1,7 +1,8 @@
-"""Request bodies to typed, checked values: decoding, the model name, unsupported fields, sampling.
+"""Request bodies to typed, checked values: decoding, unsupported fields, sampling.
 
-Everything here raises ``APIError`` (400, or 404 for an unknown model) with ``param`` naming the
-offending field, so no bad request reaches the engine.
+Everything here raises ``APIError`` (400) with ``param`` naming the offending field, so no bad
+request reaches the engine. (The model name is resolved before the route runs, by
+``api.dependencies``.)
 """
 
 from __future__ import annotations
@@ -48,18 +49,6 @@ def _split_location(message: str) -> tuple[str, str | None]:
     if not path:
         return text, None
     return f"{text} ({where} `{path}`)", path
-
-
-def check_model(requested: str | None, served: str | tuple[str, ...]) -> None:
-    """An empty or omitted model means the served one; a name not in ``served`` is a 404."""
-    names = (served,) if isinstance(served, str) else served
-    if requested and requested not in names:
-        raise APIError(
-            404,
-            f"The model `{requested}` does not exist. This server serves `{names[0]}`.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _is_default(value: Any, *defaults: Any) -> bool:

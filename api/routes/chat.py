@@ -11,8 +11,7 @@ import msgspec
 from litestar import Request, Response, post
 
 from api.chat_start import start_chat
-from api.config import ServerConfig
-from api.dependencies import EngineDep
+from api.dependencies import ModelsDep
 from api.disconnect import cancel_on_disconnect
 from api.generation import collect_all, merge_usage
 from api.logprobs import chat_logprobs
@@ -30,7 +29,7 @@ from api.protocol import (
     Usage,
 )
 from api.streaming import sse_response
-from api.validation import check_model, check_supported, decode_body
+from api.validation import check_supported, decode_body
 from runtime.interface import TokenizerLike
 from runtime.request import TokenLogprobs
 
@@ -82,8 +81,7 @@ class ChatChunks:
 )
 async def create_chat_completion(
     request: Request[Any, Any, Any],
-    engine: EngineDep,
-    config: ServerConfig,
+    models: ModelsDep,
     metrics: Metrics,
     mcp: McpClients,
 ) -> Response[Any]:
@@ -96,7 +94,8 @@ async def create_chat_completion(
     context, 404 for another model name, 503 when the engine shuts down mid-request.
     """
     body = decode_body(await request.body(), ChatCompletionRequest)
-    check_model(body.model, config.model_names(engine.model_name))
+    served = models.resolve(body.model)
+    engine, config = served.engine, served.config
     check_supported(body)
     if body.tools is None and mcp.tools:  # the server's MCP tools; ``tools: []`` opts out
         body = msgspec.structs.replace(body, tools=mcp.openai_tools())

@@ -9,9 +9,8 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from api.config import ServerConfig
 from api.defaults import completion_budget, with_sampling_defaults
-from api.dependencies import EngineDep
+from api.dependencies import ModelsDep
 from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request
 from api.generation import collect_all, merge_usage, start_generation
@@ -29,7 +28,6 @@ from api.protocol import (
 from api.streaming import sse_response
 from api.validation import (
     build_sampling,
-    check_model,
     check_supported,
     check_top_logprobs,
     decode_body,
@@ -124,14 +122,15 @@ async def _echo(
     operation_class=documented(CompletionRequest, Completion, Completion),
 )
 async def create_completion(
-    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig, metrics: Metrics
+    request: Request[Any, Any, Any], models: ModelsDep, metrics: Metrics
 ) -> Response[Any]:
     """OpenAI (legacy) completions; see ``CompletionRequest`` for the accepted fields.
 
     ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves.
     """
     body = decode_body(await request.body(), CompletionRequest)
-    check_model(body.model, config.model_names(engine.model_name))
+    served = models.resolve(body.model)
+    engine, config = served.engine, served.config
     check_supported(body)
     body = with_sampling_defaults(body, config.sampling_defaults)
     prompt_ids = await completion_prompt_ids(engine.tokenizer, body)

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 from litestar import Request, Response, post
 
-from api.dependencies import EngineDep
+from api.dependencies import ModelsDep
 from api.disconnect import cancel_on_disconnect
 from api.errors import APIError, bad_request, not_supported
 from api.openapi import documented
 from api.prompts import check_token_ids
 from api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from api.validation import check_model, decode_body
+from api.validation import decode_body
 from runtime.interface import TokenizerLike
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -98,14 +98,14 @@ def _encode(vector: np.ndarray, normalize: bool, encoding_format: str) -> list[f
     status_code=200,
     operation_class=documented(EmbeddingRequest, EmbeddingResponse),
 )
-async def create_embeddings(request: Request[Any, Any, Any], engine: EngineDep) -> Response[Any]:
+async def create_embeddings(request: Request[Any, Any, Any], models: ModelsDep) -> Response[Any]:
     """OpenAI embeddings; see ``EmbeddingRequest`` and the module docstring.
 
     Errors: 400 for bad fields, empty inputs, ``dimensions`` and inputs longer than the context
     (``context_length_exceeded``), 404 for another model name, 503 when the engine is down.
     """
     body = decode_body(await request.body(), EmbeddingRequest)
-    check_model(body.model, engine.model_name)
+    engine = models.resolve(body.model).engine
     if body.dimensions is not None:
         raise not_supported("dimensions")
     token_ids = await _token_ids(engine.tokenizer, _input_lists(body))

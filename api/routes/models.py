@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /v1/models/{model}: the served model, once per served name."""
+"""GET /v1/models and GET /v1/models/{model}: the served models, one card per served name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from api.protocol import ModelCard, ModelList
 
 @get("/v1/models", sync_to_thread=False, operation_class=documented())
 def list_models(model_cards: list[ModelCard]) -> ModelList:
-    """The OpenAI model list: one card per served name, the reported name first."""
+    """The OpenAI model list: one card per served name, model by model, each model's reported
+    name first (the first card is the model of requests that name none)."""
     return ModelList(data=model_cards)
 
 

@@ -20,8 +20,7 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import ServerSentEventMessage
 
-from api.config import ServerConfig
-from api.dependencies import EngineDep
+from api.dependencies import ModelsDep
 from api.disconnect import cancel_on_disconnect
 from api.errors import APIError
 from api.mcp import McpClients
@@ -37,7 +36,7 @@ from api.responses_protocol import (
 from api.responses_run import ResponseRun, RunContext
 from api.responses_store import ResponseStore
 from api.streaming import ClosingServerSentEvent
-from api.validation import check_model, decode_body
+from api.validation import decode_body
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +82,7 @@ def _previous(store: ResponseStore, response_id: str | None) -> list[Any]:
 )
 async def create_response(
     request: Request[Any, Any, Any],
-    engine: EngineDep,
-    config: ServerConfig,
+    models: ModelsDep,
     metrics: Metrics,
     mcp: McpClients,
     response_store: ResponseStore,
@@ -96,10 +94,10 @@ async def create_response(
     context, 404 for another model name, 503 when the engine shuts down mid-request.
     """
     body = decode_body(await request.body(), ResponsesRequest)
-    check_model(body.model, config.model_names(engine.model_name))
+    served = models.resolve(body.model)
     history = _previous(response_store, body.previous_response_id)
     history += input_messages(body, mcp)
-    context = RunContext(request, engine, config, metrics, mcp, response_store)
+    context = RunContext(request, served.engine, served.config, metrics, mcp, response_store)
     run = ResponseRun(context, body, history, chat_tools(body, mcp))
     await run.begin()
     if body.stream:

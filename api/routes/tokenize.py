@@ -15,13 +15,12 @@ from typing import Any
 import msgspec
 from litestar import Request, post
 
-from api.config import ServerConfig
-from api.dependencies import EngineDep
+from api.dependencies import EngineDep, ModelsDep
 from api.errors import bad_request
 from api.openapi import documented
 from api.prompts import template_kwargs
 from api.protocol import Messages, TokenId
-from api.validation import check_model, decode_body
+from api.validation import decode_body
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,12 +68,10 @@ def _render(engine: EngineDep, body: TokenizeRequest) -> str:
 
 
 @post("/tokenize", status_code=200, operation_class=documented(TokenizeRequest))
-async def tokenize(
-    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig
-) -> TokenizeResponse:
+async def tokenize(request: Request[Any, Any, Any], models: ModelsDep) -> TokenizeResponse:
     """Token ids of a prompt or a chat; 400 unless exactly one of them is given."""
     body = decode_body(await request.body(), TokenizeRequest)
-    check_model(body.model, config.model_names(engine.model_name))
+    engine = models.resolve(body.model).engine
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of `prompt` and `messages`.", param="prompt")
     add_special = body.add_special_tokens
@@ -92,12 +89,10 @@ async def tokenize(
 
 
 @post("/detokenize", status_code=200, operation_class=documented(DetokenizeRequest))
-async def detokenize(
-    request: Request[Any, Any, Any], engine: EngineDep, config: ServerConfig
-) -> DetokenizeResponse:
+async def detokenize(request: Request[Any, Any, Any], models: ModelsDep) -> DetokenizeResponse:
     """The text of token ids (special tokens kept, so a round trip is faithful)."""
     body = decode_body(await request.body(), DetokenizeRequest)
-    check_model(body.model, config.model_names(engine.model_name))
+    engine = models.resolve(body.model).engine
     try:
         text = await asyncio.to_thread(
             engine.tokenizer.decode, body.tokens, skip_special_tokens=False

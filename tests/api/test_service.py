@@ -85,6 +85,7 @@ def _samples(client: Client) -> dict[str, float]:
 
 
 def test_metrics_move_after_a_request(client: Client) -> None:
+    model = "{model_name=mock-model}"
     before = _samples(client)
     for name in (
         "runtime_num_requests_running",
@@ -97,26 +98,26 @@ def test_metrics_move_after_a_request(client: Client) -> None:
         "runtime_time_to_first_token_seconds_count",
         "runtime_time_per_output_token_seconds_count",
     ):
-        assert name in before, sorted(before)
-    assert before["runtime_generation_tokens_total"] == 0
+        assert name + model in before, sorted(before)
+    assert before["runtime_generation_tokens_total" + model] == 0
     body = client.post("/v1/chat/completions", json={"messages": HELLO}).json()
     after = _samples(client)
     usage = body["usage"]
-    assert after["runtime_prompt_tokens_total"] == usage["prompt_tokens"]
-    assert after["runtime_generation_tokens_total"] == usage["completion_tokens"]
-    assert after["runtime_request_success_total{finish_reason=stop}"] == 1
-    assert after["runtime_time_to_first_token_seconds_count"] == 1
-    assert after["runtime_time_per_output_token_seconds_count"] == 1
+    assert after["runtime_prompt_tokens_total" + model] == usage["prompt_tokens"]
+    assert after["runtime_generation_tokens_total" + model] == usage["completion_tokens"]
+    assert after["runtime_request_success_total{finish_reason=stop,model_name=mock-model}"] == 1
+    assert after["runtime_time_to_first_token_seconds_count" + model] == 1
+    assert after["runtime_time_per_output_token_seconds_count" + model] == 1
     assert after["runtime_http_responses_total{status_code=200}"] >= 2  # /metrics, the chat
-    assert after["runtime_num_requests_running"] == 0
+    assert after["runtime_num_requests_running" + model] == 0
 
 
 def test_metrics_registries_are_per_app(engine: MockEngine) -> None:
     with _client(engine) as first:
         first.post("/v1/completions", json={"prompt": "ab"})
-        assert _samples(first)["runtime_generation_tokens_total"] > 0
+        assert _samples(first)["runtime_generation_tokens_total{model_name=mock-model}"] > 0
     with _client(MockEngine(max_model_len=256)) as second:
-        assert _samples(second)["runtime_generation_tokens_total"] == 0
+        assert _samples(second)["runtime_generation_tokens_total{model_name=mock-model}"] == 0
 
 
 def test_openapi_schema_is_served(client: Client) -> None:
