@@ -239,13 +239,22 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "columns and the vocabulary divided among them; default: %(default)s)",
     )
     add(
+        "--data-parallel-size",
+        "--dp",
+        type=_int_at_least(1),
+        default=1,
+        help="replicas of the model, each on its own --tensor-parallel-size devices with its own "
+        "KV cache (--kvcache-mem each) and batch; requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    add(
         "--devices",
         "--d",
         type=_device_list,
         default=None,
         metavar="0,1,...",
-        help="indices into JAX's devices to run on, as many as --tensor-parallel-size "
-        "(default: the first ones)",
+        help="indices into JAX's devices to run on, --tensor-parallel-size x "
+        "--data-parallel-size of them, replica by replica (default: the first ones)",
     )
     add(
         "--enable-expert-parallel",
@@ -336,6 +345,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         prefix_cache=args.prefix_cache,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         devices=args.devices,
         expert_parallel=args.expert_parallel,
         debug_fill_freed_pages=args.debug_fill_freed_pages,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from models.registry import ModelSpec, model_config_from_hf
 from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
+from runtime.data_parallel import DataParallelEngine
 from runtime.embedder import EmbeddingRunner
 from runtime.engine import Engine
 from runtime.gguf_loader import Checkpoint, load_gguf_checkpoint
@@ -92,12 +94,30 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     return LoadedModel(files, spec, model_config, weights, tokenizer, dtype)
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """Everything from the model id to a ready-to-start engine (``start()`` compiles)."""
+def build_engine(config: EngineConfig) -> Engine | DataParallelEngine:
+    """Everything from the model id to a ready-to-start engine (``start()`` compiles): one
+    engine, or with ``data_parallel_size`` above 1 one per replica behind a
+    ``DataParallelEngine`` (the checkpoint is read once)."""
     model = load_model(config)
+    if config.data_parallel_size == 1:
+        return _build_replica(config, model, config.devices)
+    if jax.process_count() > 1:
+        raise ValueError("--data-parallel-size with --num-nodes is not supported yet")
+    size = config.tensor_parallel_size
+    devices = list(config.devices or range(size * config.data_parallel_size))
+    groups = [devices[i : i + size] for i in range(0, len(devices), size)]
+    replicas = [_build_replica(config, model, group) for group in groups]
+    logger.info("%d data-parallel replicas on devices %s", len(replicas), groups)
+    return DataParallelEngine(replicas)
+
+
+def _build_replica(
+    config: EngineConfig, model: LoadedModel, devices: Sequence[int] | None
+) -> Engine:
+    """One engine on ``devices`` (its tensor-parallel mesh) with its own KV cache."""
     files, spec, model_config = model.files, model.spec, model.config
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
-    mesh = build_mesh(config.devices, config.tensor_parallel_size)
+    mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
         attention = model_config.attention
         check_divisible(

@@ -41,7 +41,9 @@ class EngineConfig:
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
     devices (indices into ``jax.devices()``) and tensor_parallel_size build the device mesh the
     step is split over (``runtime.sharding``); one device by default. expert_parallel splits a
-    mixture-of-experts model's routed experts over the same devices.
+    mixture-of-experts model's routed experts over the same devices. data_parallel_size
+    replicas of the model, each on its own tensor_parallel_size devices with its own KV cache of
+    kvcache_mem_mb and its own max_num_seqs, share the requests (``runtime.data_parallel``).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -65,6 +67,7 @@ class EngineConfig:
     debug_fill_freed_pages: bool = False
     devices: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     expert_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -103,8 +106,11 @@ class EngineConfig:
 
     def _check_parallel(self) -> None:
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
+        _check_at_least("data_parallel_size", self.data_parallel_size, 1)
+        needed = self.tensor_parallel_size * self.data_parallel_size
+        if self.devices is not None and len(self.devices) != needed:
             raise ValueError(
-                f"devices lists {len(self.devices)} devices but tensor_parallel_size is "
-                f"{self.tensor_parallel_size}"
+                f"devices lists {len(self.devices)} devices but tensor_parallel_size "
+                f"{self.tensor_parallel_size} x data_parallel_size {self.data_parallel_size} "
+                f"needs {needed}"
             )

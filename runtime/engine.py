@@ -403,6 +403,10 @@ class Engine:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     # -- admission -----------------------------------------------------------------------------
+    def num_unfinished(self) -> int:
+        """Sequences queued or running that have not finished: the engine's load. Any thread."""
+        return len(self._streams)
+
     def num_waiting(self) -> int:
         """Unfinished sequences beyond the ``max_num_seqs`` that can run at once: the ones that
         wait for a slot, posted or queued. Any thread (``len`` of a dict is atomic)."""
