@@ -28,8 +28,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         "--node-rank",
         type=int,
         default=0,
-        help="this process's rank, 0 to --num-nodes - 1; rank 0 serves HTTP (default: "
-        "%(default)s)",
+        help="this process's rank, 0 to --num-nodes - 1; rank 0 serves HTTP (default: %(default)s)",
     )
     add(
         "--coordinator-address",
