@@ -4,7 +4,8 @@ venv := ".venv"
 py := venv / "bin/python"
 stamp := venv / ".installed"
 
-# Create .venv and install the package with its dev extra (skipped when nothing changed).
+# Create .venv and install the package with its dev extra (skipped when nothing changed); as root,
+# also Debian's chromium for the web UI's browser tests when it is missing.
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -15,6 +16,16 @@ setup:
         {{py}} -m pip install -q "torch==2.13.0"
         {{py}} -m pip install -q -e ".[dev]"
         touch {{stamp}}
+    fi
+    # Playwright drives Debian's chromium: its own browser download is not reachable here.
+    if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: installing chromium (apt-get) for the web UI tests" >&2
+        log="$(mktemp)"
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$log" 2>&1; then
+            tail -n 20 "$log" >&2
+            echo "setup: chromium could not be installed; the web UI tests will fail" >&2
+        fi
+        rm -f "$log"
     fi
 
 # Serve a model (default: the embedded SmolLM2-135M-Instruct) on http://127.0.0.1:2000/v1.
@@ -29,6 +40,10 @@ test *ARGS: setup
 # and client disconnects (it also runs as part of `just test`).
 soak: setup
     {{venv}}/bin/pytest -s tests/e2e/test_soak.py
+
+# Retake docs/ui.png, the README's picture of the web UI, with its browser test.
+ui-screenshot: setup
+    UI_SCREENSHOT=docs/ui.png {{venv}}/bin/pytest -q tests/e2e/test_web_ui.py -k screenshot
 
 # Lint and check formatting.
 lint: setup

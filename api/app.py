@@ -45,6 +45,7 @@ from api.request_id import response_hook
 from api.responses_store import ResponseStore
 from api.routes import ROUTE_HANDLERS
 from api.routes.service import package_version
+from api.routes.ui import ui_route_handlers
 from runtime.interface import EngineClient, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def create_app(
             await drain.shutdown_engine(registry)
 
     return Litestar(
-        route_handlers=ROUTE_HANDLERS,
+        route_handlers=[*ROUTE_HANDLERS, *ui_route_handlers(config.ui)],
         lifespan=[mcp_lifespan, engine_lifespan],
         dependencies=provide_dependencies(registry, model_cards, metrics, mcp, ResponseStore()),
         exception_handlers={**exception_handlers(), EngineOverloadedError: _overloaded},

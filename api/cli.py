@@ -472,11 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     from api.mcp import McpStartupError
+    from api.ui.port_server import UiPortError
 
     try:
         started = _serve(models, args.host, args.port, server, args.shutdown_timeout)
         return 0 if started else 1
-    except McpStartupError as exc:
+    except (McpStartupError, UiPortError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown

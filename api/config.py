@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from api.mcp_config import McpServerConfig
+from api.ui.settings import UiConfig
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
@@ -97,7 +98,8 @@ class ServerConfig:
     empty. ``max_completion_tokens_cap``: None means ``max_model_len``. ``mcp_servers``: the MCP
     servers connected at startup (``api.mcp``); ``mcp_max_rounds``: how many model turns of MCP
     calls one /v1/responses request may run; ``mcp_timeout_s`` bounds each call and
-    ``mcp_max_output_bytes`` each result.
+    ``mcp_max_output_bytes`` each result. ``ui``: the web chat UI's settings (``api.ui``); None
+    serves no UI.
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -113,6 +115,7 @@ class ServerConfig:
     mcp_max_rounds: int = DEFAULT_MCP_MAX_ROUNDS
     mcp_timeout_s: float = DEFAULT_MCP_TIMEOUT_S
     mcp_max_output_bytes: int = DEFAULT_MCP_MAX_OUTPUT_BYTES
+    ui: UiConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_mcp()

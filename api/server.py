@@ -29,6 +29,7 @@ from api.config import ServerConfig
 from api.draining import Drain
 from api.mcp import McpClients
 from api.model_registry import ModelRegistry, ServedModel
+from api.ui.port_server import start_ui_port
 from runtime.interface import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def serve(
 ) -> bool:
     """Serve ``create_app(models)`` until SIGTERM or SIGINT; False when the app failed to start
     (an engine startup error). ``started_at`` (``time.monotonic()``) is when the process began,
-    for the ready line. Raises ``McpStartupError`` when an MCP server could not be connected."""
+    for the ready line. Raises ``McpStartupError`` when an MCP server could not be connected, and
+    ``UiPortError`` when ``--ui-port`` cannot be bound."""
     drain = Drain()
     app = create_app(models, config=server, drain=drain)
     config = uvicorn.Config(
@@ -108,6 +110,7 @@ def serve(
     )
     uvicorn_server = _Server(config, app.state.models, drain, shutdown_timeout_s, started_at)
     mcp: McpClients = app.state.mcp
+    start_ui_port(host, server.ui)  # --ui-port: the UI alone on a port of its own
     try:
         uvicorn_server.run()
     except SystemExit:  # uvicorn's exit status 3 for a failed lifespan startup

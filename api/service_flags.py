@@ -24,6 +24,7 @@ from api.config import (
     ServerConfig,
 )
 from api.mcp_config import load_mcp_config
+from api.ui.settings import add_ui_flags, ui_config
 
 API_KEY_ENV = "RUNTIME_API_KEY"
 MCP_CONFIG_ENV = "RUNTIME_MCP_CONFIG"
@@ -83,6 +84,7 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies are a 413 (default: %(default)s)",
     )
     _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
+    add_ui_flags(parser)
     group = parser.add_argument_group(
         "sampling defaults",
         "used when a request omits the field; they win over the model's generation_config",
@@ -140,10 +142,11 @@ def server_config(
     if generation_defaults is not None:
         defaults = defaults.over(generation_defaults)
     names = args.served_model_name or []
+    ui = ui_config(args)
     return ServerConfig(
         served_model_names=tuple(names),
         api_key=args.api_key or None,
-        allowed_origins=_origins(args.allowed_origins),
+        allowed_origins=_origins(args.allowed_origins) + (ui.cors_origins() if ui else ()),
         max_n=args.max_n,
         max_completion_tokens_cap=args.max_completion_tokens_cap,
         max_top_logprobs=args.max_top_logprobs,
@@ -153,6 +156,7 @@ def server_config(
         mcp_servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
         mcp_max_rounds=args.mcp_max_rounds,
         mcp_timeout_s=args.mcp_timeout,
+        ui=ui,
     )
 
 
