@@ -11,13 +11,21 @@ activations' layouts and the all-reduces after the row-parallel projections) fro
 - the vocabulary: ``embed`` (rows) and ``lm_head`` (columns), so the largest matrices of a small
   model are split too;
 - the KV cache over its KV-head axis, so each device keeps the K/V of its own heads;
+- multi-head latent attention (DeepSeek, ``models.layers.mla``) by heads as well: the per-head
+  query projection (``wq``, or ``wq_b`` after the low-rank ``wq_a``; each head's nope and rope
+  columns lie together) and the up-projection ``wkv_b`` (each head's W_UK and W_UV columns)
+  column-parallel, ``wo`` row-parallel. The low-rank ``wq_a`` and ``wkv_a``, their norms and
+  biases, and the latent KV cache (one row that every head reads: its KV-head axis has size 1)
+  are replicated, so each device attends with its own heads over the whole latent cache, in the
+  absorbed form of decode as in the expanded form without the cache;
 - with expert parallelism, the routed experts' stacks (``e_gate``, ``e_up``, ``e_down``) over
   their expert axis, so each device keeps its share of the experts whole (the router and the
   shared expert follow the rules above).
 
 Packed and int8 weights split the same way: every array of a ``PackedWeight`` along the same
 logical axis (codes and group scales together), an int8 weight's per-column scales with its
-columns. Attention and KV heads must divide by the tensor-parallel size (a clear error at startup).
+columns. Attention heads, and outside MLA the KV heads, must divide by the tensor-parallel size
+(a clear error at startup), so that every device holds whole heads.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 AXIS = "tp"
 _COLUMN = frozenset(
     ("wq", "wk", "wv", "w_gate", "w_up", "s_gate", "s_up", "bq", "bk", "bv", "b_up")
-)
+).union(("wq_b", "wkv_b"))  # MLA's per-head projections
 _ROW = frozenset(("wo", "w_down", "s_down"))
 _EXPERTS = frozenset(("e_gate", "e_up", "e_down"))  # [layers, experts, in, out] in a segment
 
@@ -75,15 +83,14 @@ def build_mesh(devices: Sequence[int] | None, tensor_parallel_size: int) -> Mesh
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) -> None:
-    """Refuse a model whose heads do not split evenly over ``size`` devices."""
+    """Refuse a model whose heads do not split evenly over ``size`` devices. MLA's one latent
+    KV "head" is replicated, so only its attention heads must divide."""
     if size == 1:
         return
-    if is_mla:
-        raise ShardingError(
-            "tensor parallelism does not split multi-head latent attention (DeepSeek) yet; "
-            "serve it with --tensor-parallel-size 1"
-        )
-    for name, count in (("attention heads", num_heads), ("KV heads", num_kv_heads)):
+    counts = [("attention heads", num_heads)]
+    if not is_mla:
+        counts.append(("KV heads", num_kv_heads))
+    for name, count in counts:
         if count % size:
             raise ShardingError(
                 f"the model's {count} {name} do not divide by --tensor-parallel-size {size}"
@@ -141,8 +148,13 @@ def shard_weights(weights: Any, mesh: Mesh, expert_parallel: bool = False) -> An
 
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
-    """Shardings of a ``KVCache`` pytree: K, V and their row scales split over KV heads."""
-    return jax.tree.map(lambda a: NamedSharding(mesh, _spec(a.ndim, 3)), cache)
+    """Shardings of a ``KVCache`` pytree: K, V and their row scales split over KV heads (axis
+    3). MLA's latent cache has one KV "head" that every query head reads: it is replicated."""
+
+    def sharding(a: Any) -> NamedSharding:
+        return NamedSharding(mesh, _spec(a.ndim, 3 if a.shape[3] > 1 else None))
+
+    return jax.tree.map(sharding, cache)
 
 
 def replicated_sharding(tree: Any) -> NamedSharding | None:

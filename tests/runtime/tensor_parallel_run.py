@@ -48,6 +48,12 @@ def run(folder: str, size: int, extra: dict) -> dict:
             [seg[k] for seg in engine.runner.weights["segments"] for k in seg if k.startswith("e_")]
         )
         cache = device_bytes(engine.runner.cache)
+        # What each device holds of every per-layer weight field, over all segments.
+        segments = engine.runner.weights["segments"]
+        fields = {
+            name: device_bytes([seg[name] for seg in segments if name in seg])
+            for name in {name for seg in segments for name in seg}
+        }
     finally:
         engine.shutdown()
     return {
@@ -56,6 +62,7 @@ def run(folder: str, size: int, extra: dict) -> dict:
         "layer_bytes": sorted(layers.values()),
         "expert_bytes": sorted(experts.values()),
         "cache_bytes": sorted(cache.values()),
+        "field_bytes": {name: sorted(held.values()) for name, held in fields.items()},
     }
 
 
