@@ -264,6 +264,16 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "devices (each keeps its share of the experts whole) instead of replicating them",
     )
     add(
+        "--num-experts-offload-per-rank",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="keep the last N routed experts of each device's share (all experts without "
+        "--enable-expert-parallel) in pinned host memory and copy a layer's to the device only "
+        "when a token of the step chose one; for MoE models larger than device memory; N must "
+        "be below the experts per device (default: %(default)s, every expert on the device)",
+    )
+    add(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -348,6 +358,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         devices=args.devices,
         expert_parallel=args.expert_parallel,
+        num_experts_offload_per_rank=args.num_experts_offload_per_rank,
         debug_fill_freed_pages=args.debug_fill_freed_pages,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
     )

@@ -30,6 +30,7 @@ from models.layers.attention import (
     paged_self_attention,
 )
 from models.layers.causal_attention import causal_self_attention
+from models.layers.expert_offload import EXPERT_FIELDS, HOST_SUFFIX, split_stack, to_host_memory
 from models.layers.linear import OPERAND_DTYPES, linear, quantize_int8
 from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
 from models.layers.mlp import check_activation, dense_mlp
@@ -234,6 +235,15 @@ def load(
             return quantize_int8(array, cfg.operand_dtype)
         return jnp.asarray(array)
 
+    def place(name: str, array: np.ndarray | HostPacked) -> dict[str, Any]:
+        offload = cfg.moe.offload if cfg.moe is not None else None
+        if offload is None or name not in EXPERT_FIELDS:
+            return {name: device(name, array)}
+        # Offloaded experts go straight to pinned host memory, never through the device's.
+        resident, offloaded = split_stack(offload, cfg.moe.num_experts, array)
+        host = to_host_memory(offloaded, cfg.operand_dtype)
+        return {name: device(name, resident), name + HOST_SUFFIX: host}
+
     for name in list(host):
         array = host.pop(name)
         if name in _GLOBAL_FIELDS:
@@ -243,7 +253,7 @@ def load(
             cfg.segments, weights["segments"], segment_fields, strict=True
         ):
             if name in own:
-                seg[name] = device(name, array)
+                seg.update(place(name, array))
             elif name not in dense_fields and name not in moe_fields:
                 seg[name] = device(name, array[start:end])
     return weights
@@ -282,10 +292,15 @@ def block(
     return x + out, state
 
 
-def feed_forward(cfg: DecoderConfig, lw: dict, is_moe: bool) -> Callable:
+def feed_forward(
+    cfg: DecoderConfig,
+    lw: dict,
+    is_moe: bool,
+    valid: jax.Array,  # [num_seqs, q_len] bool: real tokens, not padding
+) -> Callable:
     """The layer's MLP (or MoE) as a function of its normed input."""
     if is_moe:
-        return lambda h: moe_mlp(cfg.moe, h, lw)
+        return lambda h: moe_mlp(cfg.moe, h, lw, valid)
     return lambda h: dense_mlp(h, lw, cfg.activation, cfg.gated_mlp)
 
 
@@ -302,6 +317,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
     """Run the new tokens through all layers; return logits at each sequence's last new token."""
     x = embed(cfg, weights, batch.tokens)
+    valid = jnp.arange(x.shape[1]) < batch.q_lens[:, None]  # [num_seqs, q_len]
 
     for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
 
@@ -314,7 +330,7 @@ def forward(
                     return paged_mla(cfg.attention, h, lw, cache, meta.index, batch)
                 return paged_self_attention(cfg.attention, h, lw, cache, meta, batch)
 
-            return block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe)), None
+            return block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe, valid)), None
 
         (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (seg, layer_meta(cfg, start, end)))
     last = jnp.maximum(batch.q_lens - 1, 0)
@@ -357,6 +373,7 @@ def hidden_states(
     past a sequence's length are padding and hold garbage.
     """
     x = embed(cfg, weights, tokens)
+    valid = jnp.arange(x.shape[1]) < lengths[:, None]  # [num_seqs, seq_len]
 
     for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
 
@@ -368,7 +385,7 @@ def hidden_states(
                     return mla_causal(cfg.attention, h, lw, positions, lengths), None
                 return causal_self_attention(cfg.attention, h, lw, positions, lengths, meta), None
 
-            x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe))
+            x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe, valid))
             return x, None
 
         x, _ = jax.lax.scan(layer_step, x, (seg, layer_meta(cfg, start, end)))

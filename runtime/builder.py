@@ -18,6 +18,7 @@ from runtime.config import EngineConfig
 from runtime.data_parallel import DataParallelEngine
 from runtime.embedder import EmbeddingRunner
 from runtime.engine import Engine
+from runtime.expert_offload import log_expert_offload, with_expert_offload
 from runtime.gguf_loader import Checkpoint, load_gguf_checkpoint
 from runtime.hf_loader import load_hf_checkpoint
 from runtime.model_runner import ModelRunner
@@ -87,6 +88,7 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     if config.matmul_dtype != "auto":
         model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
+    model_config = with_expert_offload(model_config, config)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
@@ -128,6 +130,7 @@ def _build_replica(
         )
         weights = shard_weights(weights, mesh, config.expert_parallel)
         logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
+    log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)

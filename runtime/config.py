@@ -44,6 +44,10 @@ class EngineConfig:
     mixture-of-experts model's routed experts over the same devices. data_parallel_size
     replicas of the model, each on its own tensor_parallel_size devices with its own KV cache of
     kvcache_mem_mb and its own max_num_seqs, share the requests (``runtime.data_parallel``).
+    num_experts_offload_per_rank keeps that many routed experts of each rank (each device of the
+    expert-parallel mesh, or each device when the experts are not split) in pinned host memory,
+    the last ones of the rank's share, and brings them to the device only for the layers whose
+    tokens chose one (``runtime.expert_offload``); 0 keeps every expert on the device.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -69,6 +73,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     expert_parallel: bool = False
+    num_experts_offload_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -107,6 +112,7 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_at_least("data_parallel_size", self.data_parallel_size, 1)
+        _check_at_least("num_experts_offload_per_rank", self.num_experts_offload_per_rank, 0)
         needed = self.tensor_parallel_size * self.data_parallel_size
         if self.devices is not None and len(self.devices) != needed:
             raise ValueError(

@@ -20,7 +20,8 @@ activations' layouts and the all-reduces after the row-parallel projections) fro
   absorbed form of decode as in the expanded form without the cache;
 - with expert parallelism, the routed experts' stacks (``e_gate``, ``e_up``, ``e_down``) over
   their expert axis, so each device keeps its share of the experts whole (the router and the
-  shared expert follow the rules above).
+  shared expert follow the rules above). Offloaded experts' stacks split the same way and stay
+  in the pinned host memory of their devices (``models.layers.expert_offload``).
 
 Packed and int8 weights split the same way: every array of a ``PackedWeight`` along the same
 logical axis (codes and group scales together), an int8 weight's per-column scales with its
@@ -42,7 +43,8 @@ _COLUMN = frozenset(
     ("wq", "wk", "wv", "w_gate", "w_up", "s_gate", "s_up", "bq", "bk", "bv", "b_up")
 ).union(("wq_b", "wkv_b"))  # MLA's per-head projections
 _ROW = frozenset(("wo", "w_down", "s_down"))
-_EXPERTS = frozenset(("e_gate", "e_up", "e_down"))  # [layers, experts, in, out] in a segment
+# [layers, experts, in, out] in a segment; ``*_host``: the experts offloaded to host memory
+_EXPERTS = frozenset(("e_gate", "e_up", "e_down", "e_gate_host", "e_up_host", "e_down_host"))
 
 
 class ShardingError(ValueError):
@@ -142,7 +144,9 @@ def shard_weights(weights: Any, mesh: Mesh, expert_parallel: bool = False) -> An
         axis = _weight_axis(path, leaf, expert_parallel)
         if axis is not None and leaf.shape[axis] % mesh.size:
             axis = None  # e.g. a vocabulary of 32001: kept whole (the step stays correct)
-        return jax.device_put(leaf, NamedSharding(mesh, _spec(leaf.ndim, axis)))
+        # A leaf in host memory (offloaded experts) stays there, never passing the device's.
+        memory_kind = getattr(leaf.sharding, "memory_kind", None)
+        return jax.device_put(leaf, NamedSharding(mesh, _spec(leaf.ndim, axis), memory_kind))
 
     return jax.tree_util.tree_map_with_path(place, weights)
 
@@ -172,10 +176,13 @@ def placed(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def device_bytes(tree: Any) -> dict[Any, int]:
-    """Bytes each device holds of a pytree of arrays."""
+def device_bytes(tree: Any, memory_kind: str = "device") -> dict[Any, int]:
+    """Bytes each device holds of a pytree of arrays in its ``memory_kind`` memory: its own
+    (``"device"``) or the host memory it is attached to (``"pinned_host"``)."""
     total: dict[Any, int] = {}
     for leaf in jax.tree.leaves(tree):
+        if leaf.sharding.memory_kind != memory_kind:
+            continue
         for shard in leaf.addressable_shards:
             total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
     return total

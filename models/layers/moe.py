@@ -30,6 +30,11 @@ tokens) and agree to float rounding:
   experts: correct, but ``num_experts`` times the needed flops; GPU speed is unmeasured.
   Gathering weights per row instead would copy ``T * top_k`` expert matrices, which prefill
   cannot afford.
+
+With ``MoEConfig.offload`` some experts live in host memory (``models.layers.expert_offload``):
+the layer's weights then hold a resident stack and an offloaded one (``e_gate_host``, ...). The
+resident experts run as above; the offloaded stack is copied to device memory and run the same
+way only when a valid token chose one of its experts, and each slot takes its own stack's output.
 """
 
 from __future__ import annotations
@@ -38,10 +43,17 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from models.layers.expert_offload import (
+    EXPERT_FIELDS,
+    HOST_SUFFIX,
+    ExpertOffload,
+    to_device_memory,
+)
 from models.layers.linear import dense, linear
 from pallas_kernels.dequant_matmul import PackedWeight
 
@@ -74,6 +86,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
     activation: str = "silu"
+    offload: ExpertOffload | None = None  # experts kept in host memory (a runtime choice)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
@@ -99,6 +112,8 @@ class MoEConfig:
         if self.shared_gate and not self.shared_intermediate_size:
             raise ValueError("shared_gate needs a shared expert: set shared_intermediate_size")
         self._check_groups()
+        if self.offload is not None:
+            self.offload.check(self.num_experts)
 
     def _check_groups(self) -> None:
         if (self.num_groups is None) != (self.topk_groups is None):
@@ -128,7 +143,8 @@ class MoEConfig:
 
 
 def moe_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
-    """Every weight one MoE layer reads, with its shape (``[in, out]`` for matrices)."""
+    """Every weight of one MoE layer as a checkpoint gives it, with its shape (``[in, out]`` for
+    matrices); ``layer_weight_shapes`` says how offloading cuts the expert stacks."""
     e, h, i = cfg.num_experts, hidden_size, cfg.expert_intermediate_size
     shapes = {
         "router": (h, e),
@@ -236,10 +252,13 @@ def experts_grouped(
 def moe_mlp(
     cfg: MoEConfig,
     x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
-    lw: Mapping[str, jax.Array],  # one layer's MoE weights (see ``moe_weight_shapes``)
+    lw: Mapping[str, jax.Array],  # one layer's MoE weights (see ``layer_weight_shapes``)
+    valid: jax.Array | None = None,  # [...] bool, x's leading shape: the tokens that count
 ) -> jax.Array:  # [..., hidden] in x's dtype
     """The MoE block's output for every token; tokens never interact, so padding rows are
     computed like any other and are the caller's to ignore. Shape-static and jit/scan friendly.
+    ``valid`` (default: every token) only decides whether offloaded experts are fetched: a
+    padding row routed to one does not fetch it, and its output is then unspecified.
 
     Raises ValueError at trace time when a weight is missing or has the wrong shape.
     """
@@ -248,10 +267,8 @@ def moe_mlp(
     tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
     bias = lw["router_bias"] if cfg.has_router_bias else None
     experts, weights = route(cfg, tokens, lw["router"], bias)
-    compute = (
-        experts_gathered if tokens.shape[0] * cfg.top_k <= cfg.num_experts else experts_grouped
-    )
-    per_slot = compute(tokens, experts, lw["e_gate"], lw["e_up"], lw["e_down"], cfg.activation)
+    valid_tokens = None if valid is None else valid.reshape(-1)
+    per_slot = _routed_experts(cfg, tokens, experts, lw, valid_tokens)
     out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
     if cfg.shared_intermediate_size:
         act = _ACTIVATIONS[cfg.activation]
@@ -265,10 +282,58 @@ def moe_mlp(
     return out.astype(x.dtype).reshape(x.shape)
 
 
+def _routed_experts(
+    cfg: MoEConfig,
+    tokens: jax.Array,  # [num_tokens, hidden]
+    experts: jax.Array,  # [num_tokens, top_k] int32
+    lw: Mapping[str, jax.Array],
+    valid: jax.Array | None,  # [num_tokens] bool
+) -> jax.Array:  # [num_tokens, top_k, hidden] in tokens' dtype
+    """Each chosen expert's output, from the resident stack or, fetched on demand, the
+    offloaded one. The mechanism follows the full expert count either way, so offloading
+    changes where weights live, not the arithmetic."""
+    grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
+    compute = partial(experts_grouped if grouped else experts_gathered, activation=cfg.activation)
+    resident = [lw[name] for name in EXPERT_FIELDS]
+    if cfg.offload is None:
+        return compute(tokens, experts, *resident)
+    offloaded, index = cfg.offload.locate(experts, cfg.num_experts)
+
+    def own(mine: jax.Array, stack: Any) -> jax.Array:  # [num_tokens, top_k] int32
+        # Slots of the other stack: past the last group (no rows) when grouped, any valid
+        # index when gathered; their outputs are dropped below.
+        size = stack[0].shape[0]
+        return jnp.where(mine, index, size if grouped else 0)
+
+    here = compute(tokens, own(~offloaded, resident), *resident)
+    host = [lw[name + HOST_SUFFIX] for name in EXPERT_FIELDS]
+
+    def fetch(host: list[Any]) -> jax.Array:
+        stack = to_device_memory(host)  # freed once the layer is done with it
+        return compute(tokens, own(offloaded, stack), *stack)
+
+    needed = offloaded if valid is None else offloaded & valid[:, None]
+    there = jax.lax.cond(jnp.any(needed), fetch, lambda _: jnp.zeros_like(here), host)
+    return jnp.where(offloaded[..., None], there, here)
+
+
+def layer_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """The weights ``moe_mlp`` reads for one layer: ``moe_weight_shapes``, with the expert
+    stacks cut into resident and offloaded ones when ``cfg.offload`` is set."""
+    shapes = moe_weight_shapes(cfg, hidden_size)
+    if cfg.offload is not None:
+        resident, offloaded = cfg.offload.stack_sizes(cfg.num_experts)
+        for name in EXPERT_FIELDS:
+            matrix = shapes[name][1:]
+            shapes[name] = (resident, *matrix)
+            shapes[name + HOST_SUFFIX] = (offloaded, *matrix)
+    return shapes
+
+
 def _check_weights(cfg: MoEConfig, hidden: int, lw: Mapping[str, jax.Array]) -> None:
     # Shapes are static, so this costs nothing at run time and turns a silently transposed or
     # missing tensor into a message naming it.
-    for name, shape in moe_weight_shapes(cfg, hidden).items():
+    for name, shape in layer_weight_shapes(cfg, hidden).items():
         if name not in lw:
             raise ValueError(f"MoE weights lack {name!r} (expected shape {shape})")
         if tuple(lw[name].shape) != shape:

@@ -109,12 +109,16 @@ class HostPacked:
         """Indexed on the leading (layer, expert) axes, like the float array it stands for."""
         return self.map(lambda a: a[index])
 
-    def to_device(self, operand_dtype: str | None = None) -> PackedWeight:
-        """Pack the codes into bit planes and move every array to the default device."""
-        put = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+    def to_device(
+        self, operand_dtype: str | None = None, memory: jax.memory.Space | None = None
+    ) -> PackedWeight:
+        """Pack the codes into bit planes and move every array to the default device, into its
+        ``memory`` (``jax.memory.Space.Host``: its pinned host memory; default: device memory)."""
+        move = jnp.asarray if memory is None else lambda a: jax.device_put(a, memory)
+        put = lambda a: None if a is None else move(a)  # noqa: E731
         constant = isinstance(self.z, int)
         return PackedWeight(
-            planes=tuple(jnp.asarray(p) for p in pack_planes(self.codes, self.bits)),
+            planes=tuple(move(p) for p in pack_planes(self.codes, self.bits)),
             d=put(self.d),
             sc=put(self.sc),
             z=None if constant else put(self.z),

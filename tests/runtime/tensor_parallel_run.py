@@ -1,12 +1,19 @@
 """Run in a fresh process with fake CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``):
 build the engine on a saved model once per tensor-parallel size and print, as one JSON line, each
-size's greedy tokens and the bytes each device holds of the weights and of the KV cache."""
+size's greedy tokens and the bytes each device holds of the weights and of the KV cache (and of the
+experts offloaded to its pinned host memory).
+
+``tensor_parallel_run.py FOLDER 1,2,4 [EXTRA]`` runs each size with the ``EngineConfig`` fields of
+the JSON object EXTRA; ``tensor_parallel_run.py FOLDER '[{"size": 2, ...}, ...]'`` runs each object
+of the list (its size and fields) and prints a list."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+
+import jax
 
 from runtime.builder import build_engine
 from runtime.config import EngineConfig
@@ -44,9 +51,18 @@ def run(folder: str, size: int, extra: dict) -> dict:
         tokens = asyncio.run(all_prompts())
         weights = device_bytes(engine.runner.weights)
         layers = device_bytes(engine.runner.weights["segments"])
-        experts = device_bytes(
-            [seg[k] for seg in engine.runner.weights["segments"] for k in seg if k.startswith("e_")]
-        )
+        expert_stacks = [
+            seg[k] for seg in engine.runner.weights["segments"] for k in seg if k.startswith("e_")
+        ]
+        experts = device_bytes(expert_stacks)
+        host_experts = device_bytes(expert_stacks, "pinned_host")
+        host_kinds = {
+            leaf.sharding.memory_kind
+            for seg in engine.runner.weights["segments"]
+            for k in seg
+            if k.endswith("_host")
+            for leaf in jax.tree.leaves(seg[k])
+        }
         cache = device_bytes(engine.runner.cache)
         # What each device holds of every per-layer weight field, over all segments.
         segments = engine.runner.weights["segments"]
@@ -61,12 +77,19 @@ def run(folder: str, size: int, extra: dict) -> dict:
         "weight_bytes": sorted(weights.values()),
         "layer_bytes": sorted(layers.values()),
         "expert_bytes": sorted(experts.values()),
+        "expert_host_bytes": sorted(host_experts.values()),
+        "host_memory_kinds": sorted(host_kinds),
         "cache_bytes": sorted(cache.values()),
         "field_bytes": {name: sorted(held.values()) for name, held in fields.items()},
     }
 
 
 if __name__ == "__main__":
-    folder, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    print(json.dumps({size: run(folder, size, extra) for size in sizes}))
+    folder = sys.argv[1]
+    if sys.argv[2].startswith("["):
+        runs = json.loads(sys.argv[2])
+        print(json.dumps([run(folder, r.pop("size"), r) for r in runs]))
+    else:
+        sizes = [int(s) for s in sys.argv[2].split(",")]
+        extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+        print(json.dumps({size: run(folder, size, extra) for size in sizes}))
