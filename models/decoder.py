@@ -70,6 +70,10 @@ class DecoderConfig:
     first_moe_layer: int = 0
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
+    # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
+    # (``pallas_kernels.native``: custom calls, which XLA's partitioner does not split) may
+    # replace XLA formulations where one is built; set by ``runtime.builder``.
+    native_kernels: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -328,7 +332,9 @@ def forward(
             def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
                 if isinstance(cfg.attention, MLAConfig):
                     return paged_mla(cfg.attention, h, lw, cache, meta.index, batch)
-                return paged_self_attention(cfg.attention, h, lw, cache, meta, batch)
+                return paged_self_attention(
+                    cfg.attention, h, lw, cache, meta, batch, native=cfg.native_kernels
+                )
 
             return block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe, valid)), None
 

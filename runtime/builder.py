@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from models.registry import ModelSpec, model_config_from_hf
 from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
+from pallas_kernels.paged_attention import native as native_attention
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
 from runtime.data_parallel import DataParallelEngine
@@ -130,6 +131,7 @@ def _build_replica(
         )
         weights = shard_weights(weights, mesh, config.expert_parallel)
         logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
+    model_config = with_native_kernels(model_config, mesh)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -193,6 +195,17 @@ def _build_replica(
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
+
+
+def with_native_kernels(model_config: Any, mesh: Any) -> Any:
+    """``model_config`` with ``native_kernels`` set: on where the step runs on XLA:CPU without a
+    device mesh. A native kernel is a custom call, which XLA's SPMD partitioner does not split,
+    so a tensor-parallel step keeps the XLA formulations."""
+    allowed = jax.default_backend() == "cpu" and mesh is None
+    if allowed:
+        kernel = "native" if native_attention.available() else "XLA reference"
+        logger.info("native CPU kernels allowed; paged attention: %s", kernel)
+    return dataclasses.replace(model_config, native_kernels=allowed)
 
 
 def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:

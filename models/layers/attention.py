@@ -19,7 +19,7 @@ from models.batch import StepBatch
 from models.layers.linear import linear
 from models.layers.norms import NormConfig, apply_norm
 from models.layers.rotary import RopeConfig, apply_rope
-from pallas_kernels.paged_attention import KVCache, paged_attention, write_cache
+from pallas_kernels.paged_attention import KVCache, attention, write_cache
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,16 @@ def paged_self_attention(
     cache: KVCache,
     meta: LayerMeta,
     batch: StepBatch,
+    native: bool = False,
 ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
-    """Attention for one layer; this step's K/V are written to their pages before attending."""
+    """Attention for one layer; this step's K/V are written to their pages before attending.
+
+    ``native`` (``DecoderConfig.native_kernels``) attends with the native CPU kernel when it is
+    available, else with the pure-jnp reference.
+    """
     q, k, v = project_qkv(cfg, x, lw, batch.positions, meta)
     cache = write_cache(cache, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices)
-    out = paged_attention(
+    out = attention(
         q,
         cache.k,
         cache.v,
@@ -160,5 +165,6 @@ def paged_self_attention(
         soft_cap=cfg.soft_cap,
         k_scales=cache.k_scales,
         v_scales=cache.v_scales,
+        impl="native" if native else "reference",
     )
     return output_projection(cfg, out, lw), cache

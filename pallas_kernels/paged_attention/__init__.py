@@ -3,7 +3,8 @@
 The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_shape``,
 ``kv_cache_bytes`` for a float8 cache) instead of hard-coding it, and write through
 ``write_cache``.
-``attention`` picks the Pallas kernel (``kernel.py``) or the reference (``reference.py``).
+``attention`` picks the Pallas kernel (``kernel.py``), the native CPU kernel (``native.py``) or
+the reference (``reference.py``).
 """
 
 from pallas_kernels.paged_attention.layout import (

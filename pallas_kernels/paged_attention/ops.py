@@ -1,18 +1,21 @@
-"""``attention``: one paged-attention entry point that picks the Pallas kernel or the reference.
+"""``attention``: one paged-attention entry point that picks an implementation.
 
 ``impl="auto"`` runs the Pallas kernel on GPU and the pure-jnp reference elsewhere. TPU stays on
 the reference because this kernel gathers K/V rows straight from HBM, which Mosaic TPU does not
 lower (see README.md). ``impl="pallas"`` always runs the kernel, interpreted on CPU;
-``impl="reference"`` always runs the reference.
+``impl="reference"`` always runs the reference. ``impl="native"`` runs the native CPU kernel
+(``native.py``) on CPU when it is built and reads the cache's dtype, else the reference; only a
+caller that knows the step is not split over a device mesh asks for it (XLA's partitioner does
+not split a custom call).
 """
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.paged_attention import kernel, reference
+from pallas_kernels.paged_attention import kernel, native, reference
 
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = ("auto", "pallas", "reference", "native")
 
 
 def attention(
@@ -60,7 +63,13 @@ def attention(
             v_scales=v_scales,
             interpret=backend == "cpu",
         )
-    out = reference.paged_attention(
+    run_native = (
+        impl == "native"
+        and backend == "cpu"
+        and native.available()
+        and native.supports(q, k_cache, v_cache)
+    )
+    out = (native.paged_attention if run_native else reference.paged_attention)(
         q,
         k_cache,
         v_cache,

@@ -1,4 +1,4 @@
-"""Pure-jnp paged attention: the numerical reference, and the CPU path.
+"""Pure-jnp paged attention: the numerical reference, and the path wherever no kernel runs.
 
 Each sequence gathers only its own pages (``page_indices``) and every key position at or past its
 ``kv_lens`` is masked, so stale or NaN-filled pages never leak into the result. A float8 cache is

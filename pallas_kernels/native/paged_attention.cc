@@ -1,0 +1,579 @@
+// Paged attention for XLA:CPU, read straight from the pages. The contract is
+// reference.paged_attention's (pallas_kernels/paged_attention/native.py says
+// how the operands arrive).
+//
+// One work item is (sequence, a run of KV heads, a block of query tokens). It
+// walks the keys any of its queries can see in blocks of kBlock, finds each
+// key's row through page_indices inside the whole cache (no gathered copy),
+// and keeps a flash-style online softmax in float32 for each query row (one
+// row per token and query head; the query heads of one KV head share its K
+// and V reads: GQA). Keys a row cannot see (past kv_lens, after its position,
+// before its window) are never read for that row, so stale or NaN pages
+// cannot reach the output; a row that sees no key returns zeros. While a block
+// is computed, the next block's rows are prefetched: pages are scattered, so
+// the hardware prefetcher cannot guess them. Items run on XLA's CPU thread
+// pool: the calling thread and the pool's threads take items from one atomic
+// counter, and the call returns when every item is done.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;   // floats per vector (one AVX-512 register)
+constexpr int kBlock = 16;   // keys per online-softmax step: one vector of scores
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline Vec Splat(float x) { return Vec{} + x; }
+
+// exp(x) for x <= ~88: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// series to degree 7 (error below 1e-8 relative), 2^n built in the exponent
+// bits. Inputs below -87.3 (masked scores) clamp to ~1e-38, never to NaN.
+inline Vec Exp(Vec x) {
+  const Vec lo = Splat(-87.3f), hi = Splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const Vec round = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  Vec n = (x * 1.44269504088896341f + round) - round;
+  Vec r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  Vec p = Splat(1.0f / 5040);
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// cap * tanh(x / cap), with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|).
+inline Vec SoftCap(Vec x, float cap) {
+  Vec y = x * (1.0f / cap);
+  Vec a = y < 0 ? -y : y;
+  Vec e = Exp(-2.0f * a);
+  Vec t = (1.0f - e) / (1.0f + e);
+  return (y < 0 ? -t : t) * cap;
+}
+
+float Fp8E4m3fnToFloat(uint8_t x) {
+  const int sign = x >> 7, exponent = (x >> 3) & 0xf, mantissa = x & 0x7;
+  float value;
+  if (exponent == 0xf && mantissa == 0x7) {
+    value = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m / 8 * 2^-6
+  } else {
+    value = std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  }
+  return sign ? -value : value;
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+const float* Fp8Table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = Fp8E4m3fnToFloat(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+// Everything one call needs; rows of the caches are addressed by their index
+// over [num_layers, num_pages, page_size, num_kv_heads] (times head_dim).
+struct Problem {
+  const float* q;               // [num_seqs, q_len, num_heads, head_dim], pre-scaled
+  float* out;                   // [num_seqs, q_len, num_heads, head_dim]
+  const uint8_t* k;             // the K cache, any supported dtype
+  const uint8_t* v;             // the V cache
+  ffi::DataType dtype;
+  int64_t element_bytes;
+  bool in_place;                // float32 rows of whole vectors without scales: read as they are
+  const float* k_scales;        // [num_layers, num_pages, page_size, num_kv_heads] or null
+  const float* v_scales;
+  const int32_t* positions;     // [num_seqs, q_len]
+  const int32_t* page_indices;  // [num_seqs, pages_per_seq]
+  const int32_t* kv_lens;       // [num_seqs]
+  int64_t num_seqs, q_len, num_heads, head_dim, padded_dim;
+  int64_t num_layers, num_pages, page_size, num_kv_heads, pages_per_seq;
+  int64_t group, query_block, num_query_blocks;
+  int64_t heads_per_item, head_runs;  // KV heads of one item, and runs of them per sequence
+  int64_t layer, window;              // window <= 0: none
+  float soft_cap;                     // <= 0: none
+};
+
+// Per-thread buffers, padded to whole vectors (the pad stays zero). An item's
+// query row r is token r / (heads * group) of its block, query head
+// r % (heads * group) of its run of KV heads.
+struct Scratch {
+  std::vector<float> q, acc, m, l, k_rows, v_rows, zeros;
+  std::vector<int64_t> lo, hi, key_rows;
+  explicit Scratch(const Problem& p) {
+    const int64_t num_rows = p.query_block * p.heads_per_item * p.group;
+    q.assign(num_rows * p.padded_dim, 0.0f);
+    acc.assign(num_rows * p.padded_dim, 0.0f);
+    m.assign(num_rows, 0.0f);
+    l.assign(num_rows, 0.0f);
+    k_rows.assign(kBlock * p.padded_dim, 0.0f);
+    v_rows.assign(kBlock * p.padded_dim, 0.0f);
+    zeros.assign(p.padded_dim, 0.0f);
+    lo.assign(p.query_block, 0);
+    hi.assign(p.query_block, 0);
+    key_rows.assign(2 * kBlock, 0);
+  }
+};
+
+// Cache row `row` converted to float32 (times its scale, when the cache has
+// scales) into `buffer`, whose pad past head_dim stays zero.
+const float* ConvertRow(const Problem& p, const uint8_t* cache, const float* scales, int64_t row,
+                       float* buffer) {
+  const int64_t d = p.head_dim;
+  const int64_t first = row * d;
+  const float scale = scales ? scales[row] : 1.0f;
+  switch (p.dtype) {
+    case ffi::DataType::F32: {
+      const float* src = reinterpret_cast<const float*>(cache) + first;
+      for (int64_t i = 0; i < d; ++i) buffer[i] = src[i] * scale;
+      break;
+    }
+    case ffi::DataType::BF16: {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(cache) + first;
+      for (int64_t i = 0; i < d; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        float value;
+        std::memcpy(&value, &bits, sizeof value);
+        buffer[i] = value * scale;
+      }
+      break;
+    }
+    case ffi::DataType::F16: {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(cache) + first;
+      for (int64_t i = 0; i < d; ++i) buffer[i] = HalfToFloat(src[i]) * scale;
+      break;
+    }
+    default: {  // F8E4M3FN, checked by the handler
+      const uint8_t* src = cache + first;
+      const float* table = Fp8Table();
+      for (int64_t i = 0; i < d; ++i) buffer[i] = table[src[i]] * scale;
+      break;
+    }
+  }
+  return buffer;
+}
+
+// Cache row `row` as float32: read in place when Problem::in_place, else converted.
+inline const float* RowAsFloat(const Problem& p, const uint8_t* cache, const float* scales,
+                              int64_t row, float* buffer) {
+  if (p.in_place) return reinterpret_cast<const float*>(cache) + row * p.head_dim;
+  return ConvertRow(p, cache, scales, row, buffer);
+}
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, IVec{__VA_ARGS__})
+#endif
+
+// Lane 0 (and every lane) of the result: op over v's sixteen lanes, as a tree.
+template <typename Op>
+inline float Reduce(Vec v, Op op) {
+  v = op(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline float Sum(Vec v) {
+  return Reduce(v, [](Vec a, Vec b) { return a + b; });
+}
+
+inline float Max(Vec v) {
+  return Reduce(v, [](Vec a, Vec b) { return a > b ? a : b; });
+}
+
+// Lanes 0-7: a's lane i plus its lane i + 8; lanes 8-15: the same of b.
+inline Vec FoldHalves(Vec a, Vec b) {
+  return SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// a, b each hold two keys' 8-lane partial sums: four keys' 4-lane sums.
+inline Vec FoldQuarters(Vec a, Vec b) {
+  return SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
+// a, b each hold four keys' 4-lane sums: eight keys' 2-lane sums.
+inline Vec FoldPairs(Vec a, Vec b) {
+  return SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+
+// a, b each hold eight keys' 2-lane sums: sixteen keys' totals, key b in lane b.
+inline Vec FoldLanes(Vec a, Vec b) {
+  return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// scores[r], lane b: q row r . k_rows[b], for R query rows (padded_dim apart)
+// and a block of kBlock keys (DP: padded_dim when fixed at compile time, else 0). Each key's products stay a vector until one
+// transpose-and-add tree sums all sixteen at once; the rows share every K load.
+template <int R, int DP>
+void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime, Vec* scores) {
+  static_assert(kBlock == kLanes, "one score per lane");
+  const int64_t padded_dim = DP ? DP : dp_runtime;
+  Vec halves[R][kBlock / 2];
+  for (int i = 0; i < kBlock / 2; ++i) {
+    const float* k0 = k_rows[2 * i];
+    const float* k1 = k_rows[2 * i + 1];
+    Vec a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = Vec{};
+    for (int64_t c = 0; c < padded_dim; c += kLanes) {
+      const Vec k0c = Load(k0 + c), k1c = Load(k1 + c);
+      for (int r = 0; r < R; ++r) {
+        const Vec qc = Load(q + r * padded_dim + c);
+        a[r] += qc * k0c;
+        b[r] += qc * k1c;
+      }
+    }
+    for (int r = 0; r < R; ++r) halves[r][i] = FoldHalves(a[r], b[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const Vec* h = halves[r];
+    const Vec q0 = FoldQuarters(h[0], h[1]), q1 = FoldQuarters(h[2], h[3]);
+    const Vec q2 = FoldQuarters(h[4], h[5]), q3 = FoldQuarters(h[6], h[7]);
+    scores[r] = FoldLanes(FoldPairs(q0, q1), FoldPairs(q2, q3));
+  }
+}
+
+// One online-softmax step of R query rows (padded_dim apart in q and acc)
+// over keys [b_lo, b_hi) of a block; the rows share every V load.
+template <int R, int DP>
+void AttendRows(const Problem& p, const float* q, const float* const* k_rows,
+                const float* const* v_rows, int b_lo, int b_hi, float* m, float* l,
+                float* acc) {
+  const int64_t dp = DP ? DP : p.padded_dim;
+  Vec scores[R];
+  BlockScores<R, DP>(q, k_rows, dp, scores);
+  IVec lane;
+  for (int b = 0; b < kLanes; ++b) lane[b] = b;
+  const IVec visible = (lane >= b_lo) & (lane < b_hi);
+  const Vec neg_inf = Splat(-std::numeric_limits<float>::infinity());
+  float weights[R][kLanes];
+  float correction[R];
+  for (int r = 0; r < R; ++r) {
+    Vec s = p.soft_cap > 0 ? SoftCap(scores[r], p.soft_cap) : scores[r];
+    s = visible ? s : neg_inf;
+    const float m_new = std::max(m[r], Max(s));
+    Vec probs = Exp(s - m_new);
+    probs = visible ? probs : Splat(0.0f);
+    // On a row's first block m is -inf: the correction clamps to ~1e-38 and scales zeros.
+    correction[r] = m[r] == m_new ? 1.0f : Exp(Splat(m[r] - m_new))[0];
+    l[r] = l[r] * correction[r] + Sum(probs);
+    m[r] = m_new;
+    Store(weights[r], probs);
+  }
+  for (int64_t c = 0; c < dp; c += kLanes) {
+    Vec a[R];
+    for (int r = 0; r < R; ++r) a[r] = Load(acc + r * dp + c) * correction[r];
+    for (int b = b_lo; b < b_hi; ++b) {
+      const Vec vb = Load(v_rows[b] + c);
+      for (int r = 0; r < R; ++r) a[r] += weights[r][b] * vb;
+    }
+    for (int r = 0; r < R; ++r) Store(acc + r * dp + c, a[r]);
+  }
+}
+
+// AttendRows over `count` adjacent rows (the query heads of one KV head for
+// one token), four at a time.
+template <int DP>
+void AttendGroup(const Problem& p, const float* q, const float* const* k_rows,
+                 const float* const* v_rows, int b_lo, int b_hi, float* m, float* l, float* acc,
+                 int64_t count) {
+  const int64_t dp = p.padded_dim;
+  for (int64_t r = 0; r < count; r += 4) {
+    const float* qr = q + r * dp;
+    float* ar = acc + r * dp;
+    switch (std::min<int64_t>(4, count - r)) {
+      case 4: AttendRows<4, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      case 3: AttendRows<3, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      case 2: AttendRows<2, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      default: AttendRows<1, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+    }
+  }
+}
+
+// Cache rows (for KV head 0) of keys [t0, t0 + count) of a sequence whose page
+// table is `pages`: one division per call, not one per key.
+inline void KeyRows(const Problem& p, const int32_t* pages, int64_t t0, int64_t count,
+                    int64_t* rows) {
+  int64_t logical = t0 / p.page_size, offset = t0 % p.page_size;
+  const int64_t layer_first = p.layer * p.num_pages;
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t page = std::clamp<int64_t>(pages[logical], 0, p.num_pages - 1);
+    rows[b] = ((layer_first + page) * p.page_size + offset) * p.num_kv_heads;
+    if (++offset == p.page_size) {
+      offset = 0;
+      ++logical;
+    }
+  }
+}
+
+inline void Prefetch(const Problem& p, const uint8_t* cache, int64_t row, int64_t count) {
+  const int64_t row_bytes = p.head_dim * p.element_bytes;
+  const uint8_t* first = cache + row * row_bytes;
+  for (int64_t i = 0; i < count * row_bytes; i += 64) __builtin_prefetch(first + i, 0, 2);
+}
+
+// Visible keys [lo[j], hi[j]) of each token of the block; returns their union's bounds.
+std::pair<int64_t, int64_t> VisibleKeys(const Problem& p, int64_t seq, int64_t j0, int64_t j1,
+                                        int64_t kv_len, Scratch& s) {
+  int64_t lo = kv_len, hi = 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t pos = p.positions[seq * p.q_len + j];
+    const int64_t t_hi = std::min<int64_t>(kv_len, pos + 1);
+    const int64_t t_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+    s.lo[j - j0] = t_lo;
+    s.hi[j - j0] = t_hi;
+    if (t_lo < t_hi) {
+      lo = std::min(lo, t_lo);
+      hi = std::max(hi, t_hi);
+    }
+  }
+  return {lo, hi};
+}
+
+template <int DP>
+void RunItem(const Problem& p, int64_t item, Scratch& s) {
+  const int64_t block = item % p.num_query_blocks;
+  const int64_t run = (item / p.num_query_blocks) % p.head_runs;
+  const int64_t seq = item / p.num_query_blocks / p.head_runs;
+  const int64_t j0 = block * p.query_block, j1 = std::min(p.q_len, j0 + p.query_block);
+  const int64_t h0 = run * p.heads_per_item;
+  const int64_t heads = std::min(p.num_kv_heads, h0 + p.heads_per_item) - h0;
+  const int64_t dp = p.padded_dim, d = p.head_dim, g = p.group;
+  const int64_t kv_len = std::clamp<int64_t>(p.kv_lens[seq], 0, p.pages_per_seq * p.page_size);
+  const auto [lo, hi] = VisibleKeys(p, seq, j0, j1, kv_len, s);
+
+  // Row r's q and out: token j0 + r / (heads * g), query head h0 * g + r % (heads * g).
+  const int64_t rows = (j1 - j0) * heads * g;
+  auto offset = [&](int64_t r) {
+    const int64_t j = j0 + r / (heads * g), h = h0 * g + r % (heads * g);
+    return ((seq * p.q_len + j) * p.num_heads + h) * d;
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(&s.q[r * dp], p.q + offset(r), d * sizeof(float));
+    std::fill(&s.acc[r * dp], &s.acc[r * dp] + dp, 0.0f);
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.0f;
+  }
+
+  const float* k_rows[kBlock];
+  const float* v_rows[kBlock];
+  const int32_t* pages = p.page_indices + seq * p.pages_per_seq;
+  int64_t* key_rows = s.key_rows.data();  // this block's rows (KV head 0), then the next's
+  KeyRows(p, pages, lo, std::min<int64_t>(kBlock, hi - lo), key_rows);
+  for (int64_t t0 = lo; t0 < hi; t0 += kBlock) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, hi - t0));
+    const int64_t next = std::clamp<int64_t>(hi - t0 - kBlock, 0, kBlock);
+    KeyRows(p, pages, t0 + kBlock, next, key_rows + kBlock);
+    for (int64_t b = 0; b < next; ++b) {
+      Prefetch(p, p.k, key_rows[kBlock + b] + h0, heads);
+      Prefetch(p, p.v, key_rows[kBlock + b] + h0, heads);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int b = 0; b < nb; ++b) {
+        const int64_t row = key_rows[b] + h0 + h;
+        k_rows[b] = RowAsFloat(p, p.k, p.k_scales, row, &s.k_rows[b * dp]);
+        v_rows[b] = RowAsFloat(p, p.v, p.v_scales, row, &s.v_rows[b * dp]);
+      }
+      for (int b = nb; b < kBlock; ++b) k_rows[b] = v_rows[b] = s.zeros.data();
+      for (int64_t j = j0; j < j1; ++j) {
+        const int b_lo = static_cast<int>(std::max<int64_t>(s.lo[j - j0], t0) - t0);
+        const int b_hi = static_cast<int>(std::min<int64_t>(s.hi[j - j0], t0 + nb) - t0);
+        if (b_lo >= b_hi) continue;
+        const int64_t r = ((j - j0) * heads + h) * g;
+        AttendGroup<DP>(p, &s.q[r * dp], k_rows, v_rows, b_lo, b_hi, &s.m[r], &s.l[r],
+                    &s.acc[r * dp], g);
+      }
+    }
+    std::copy(key_rows + kBlock, key_rows + 2 * kBlock, key_rows);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = p.out + offset(r);
+    const float inv = s.l[r] > 0 ? 1.0f / s.l[r] : 0.0f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = s.acc[r * dp + i] * inv;
+  }
+}
+
+// Items shared by the calling thread and the pool's tasks. Tasks hold it by
+// shared_ptr: one that starts after the call returned finds no item left and
+// touches nothing else.
+struct Work {
+  Problem problem;
+  int64_t total;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+
+  void Run() {
+    int64_t item = next.fetch_add(1);
+    if (item >= total) return;
+    Scratch scratch(problem);
+    for (; item < total; item = next.fetch_add(1)) {
+      switch (problem.padded_dim) {  // the common head sizes get unrolled loops
+        case 64: RunItem<64>(problem, item, scratch); break;
+        case 128: RunItem<128>(problem, item, scratch); break;
+        default: RunItem<0>(problem, item, scratch); break;
+      }
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mutex);
+        finished.notify_all();
+      }
+    }
+  }
+};
+
+int64_t ElementBytes(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 4;
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::F8E4M3FN: return 1;
+    default: return 0;  // unsupported
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                              ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t query_block,
+                              float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto cd = k_cache.dimensions();
+  const auto vd = v_cache.dimensions();
+  const auto scaled = k_scales.element_count() > 0;
+  if (qd.size() != 4 || cd.size() != 5 || vd.size() != 5 ||
+      !std::equal(cd.begin(), cd.end(), vd.begin()) ||
+      k_cache.element_type() != v_cache.element_type() ||
+      ElementBytes(k_cache.element_type()) == 0 || cd[4] != qd[3] || qd[2] % cd[3] != 0 ||
+      query_block < 1 || (scaled && v_scales.element_count() != k_scales.element_count()) ||
+      (scaled && k_scales.element_count() * cd[4] != k_cache.element_count())) {
+    return ffi::Error::InvalidArgument("paged_attention: unsupported shapes or dtypes");
+  }
+  Problem p;
+  p.q = q.typed_data();
+  p.out = out->typed_data();
+  p.k = static_cast<const uint8_t*>(k_cache.untyped_data());
+  p.v = static_cast<const uint8_t*>(v_cache.untyped_data());
+  p.dtype = k_cache.element_type();
+  p.element_bytes = ElementBytes(p.dtype);
+  p.k_scales = scaled ? k_scales.typed_data() : nullptr;
+  p.v_scales = scaled ? v_scales.typed_data() : nullptr;
+  p.positions = positions.typed_data();
+  p.page_indices = page_indices.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.num_seqs = qd[0];
+  p.q_len = qd[1];
+  p.num_heads = qd[2];
+  p.head_dim = qd[3];
+  p.padded_dim = (qd[3] + kLanes - 1) / kLanes * kLanes;
+  p.in_place = p.dtype == ffi::DataType::F32 && !scaled && p.head_dim == p.padded_dim;
+  p.num_layers = cd[0];
+  p.num_pages = cd[1];
+  p.page_size = cd[2];
+  p.num_kv_heads = cd[3];
+  p.pages_per_seq = page_indices.dimensions()[1];
+  p.group = p.num_heads / p.num_kv_heads;
+  p.query_block = std::min<int64_t>(query_block, std::max<int64_t>(p.q_len, 1));
+  p.num_query_blocks = (p.q_len + p.query_block - 1) / p.query_block;
+  // An item reads whole pages (all its KV heads' rows are adjacent) unless that
+  // leaves fewer than two items per thread; then the KV heads split into runs
+  // (a lone decoding sequence still keeps every thread busy).
+  const int64_t min_items = 2 * std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_head = p.num_seqs * p.num_query_blocks;
+  p.head_runs = std::clamp<int64_t>((min_items + per_head - 1) / std::max<int64_t>(per_head, 1),
+                                    1, p.num_kv_heads);
+  p.heads_per_item = (p.num_kv_heads + p.head_runs - 1) / p.head_runs;
+  p.head_runs = (p.num_kv_heads + p.heads_per_item - 1) / p.heads_per_item;
+  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
+  p.window = window.typed_data()[0];
+  p.soft_cap = soft_cap;
+
+  auto work = std::make_shared<Work>();
+  work->problem = p;
+  work->total = per_head * p.head_runs;
+  if (work->total == 0 || p.head_dim == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (<= 0: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("query_block")
+                                  .Attr<float>("soft_cap"));
