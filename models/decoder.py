@@ -37,7 +37,7 @@ from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from models.layers.norms import NormConfig, apply_norm
 from models.weights import Packing, WeightRule, load_host_weights
-from pallas_kernels.dequant_matmul import HostPacked
+from pallas_kernels.dequant_matmul import HostPacked, PackedLayer, PackedWeight
 from pallas_kernels.paged_attention import KVCache, kv_cache_shape
 
 
@@ -316,6 +316,24 @@ def embed(cfg: DecoderConfig, weights: dict[str, Any], tokens: jax.Array) -> jax
     return x
 
 
+def _scanned(cfg: DecoderConfig, seg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A segment's fields as (stacked projections the native kernel reads in place, fields the
+    layer scan slices). XLA copies each layer's slice of a custom call's operand, so where
+    native kernels may run the packed ``[layers, in, out]`` projections stay whole and each
+    layer sees them as ``PackedLayer``s (expert stacks have more axes and are sliced)."""
+    if not cfg.native_kernels:
+        return {}, seg
+    whole = {
+        name: w for name, w in seg.items() if isinstance(w, PackedWeight) and w.planes[0].ndim == 3
+    }
+    return whole, {name: w for name, w in seg.items() if name not in whole}
+
+
+def _with_layers(lw: dict[str, Any], whole: dict[str, Any], index: jax.Array) -> dict[str, Any]:
+    """A layer's sliced fields plus its ``PackedLayer`` of each whole stack."""
+    return lw | {name: PackedLayer(w, index) for name, w in whole.items()}
+
+
 def forward(
     cfg: DecoderConfig, weights: dict[str, Any], cache: KVCache, batch: StepBatch
 ) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
@@ -324,10 +342,18 @@ def forward(
     valid = jnp.arange(x.shape[1]) < batch.q_lens[:, None]  # [num_seqs, q_len]
 
     for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
+        whole, sliced = _scanned(cfg, seg)
 
-        def layer_step(carry: tuple[jax.Array, KVCache], xs: tuple[dict, LayerMeta], is_moe=is_moe):
+        def layer_step(
+            carry: tuple[jax.Array, KVCache],
+            xs: tuple[dict, LayerMeta],
+            is_moe=is_moe,
+            whole=whole,
+            start=start,
+        ):
             x, cache = carry
             lw, meta = xs
+            lw = _with_layers(lw, whole, meta.index - start)
 
             def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
                 if isinstance(cfg.attention, MLAConfig):
@@ -338,7 +364,7 @@ def forward(
 
             return block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe, valid)), None
 
-        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (seg, layer_meta(cfg, start, end)))
+        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (sliced, layer_meta(cfg, start, end)))
     last = jnp.maximum(batch.q_lens - 1, 0)
     h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
     return lm_head(cfg, weights, final_norm(cfg, weights, h)), cache
@@ -382,9 +408,13 @@ def hidden_states(
     valid = jnp.arange(x.shape[1]) < lengths[:, None]  # [num_seqs, seq_len]
 
     for (start, end, is_moe), seg in zip(cfg.segments, weights["segments"], strict=True):
+        whole, sliced = _scanned(cfg, seg)
 
-        def layer_step(x: jax.Array, xs: tuple[dict, LayerMeta], is_moe=is_moe):
+        def layer_step(
+            x: jax.Array, xs: tuple[dict, LayerMeta], is_moe=is_moe, whole=whole, start=start
+        ):
             lw, meta = xs
+            lw = _with_layers(lw, whole, meta.index - start)
 
             def attend(h: jax.Array) -> tuple[jax.Array, None]:
                 if isinstance(cfg.attention, MLAConfig):
@@ -394,5 +424,5 @@ def hidden_states(
             x, _ = block(cfg, x, lw, attend, feed_forward(cfg, lw, is_moe, valid))
             return x, None
 
-        x, _ = jax.lax.scan(layer_step, x, (seg, layer_meta(cfg, start, end)))
+        x, _ = jax.lax.scan(layer_step, x, (sliced, layer_meta(cfg, start, end)))
     return final_norm(cfg, weights, x).astype(jnp.float32)

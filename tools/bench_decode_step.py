@@ -13,7 +13,10 @@ is donated to each step, as the server does.
 ``float`` dequantizes a quantized checkpoint to float32 at load; ``packed`` keeps its quantized
 tensors packed (what runtime-serve does); any ``--isq`` type re-quantizes the projections. A
 ``-bf16`` suffix multiplies the quantized projections with bfloat16 operands
-(``--matmul-dtype bfloat16``).
+(``--matmul-dtype bfloat16``). ``--native on`` (the default: what runtime-serve does on one CPU
+device) lets the native CPU kernels run, ``off`` keeps the XLA formulations
+(``RUNTIME_NATIVE_KERNELS=0`` does the same to a server), and ``both`` times every format both
+ways, the native one as ``<format>+native``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def main() -> int:
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--native", choices=("on", "off", "both"), default="on")
     args = parser.parse_args()
     formats = args.formats.split(",")
     for name in formats:
@@ -70,6 +74,7 @@ def main() -> int:
     checkpoint = load_checkpoint(resolve_model_source(args.model_id, None))
     spec, base = model_config_from_hf(checkpoint.config)
     dtype = resolve_dtype(args.dtype)
+    natives = {"on": (True,), "off": (False,), "both": (False, True)}[args.native]
     models = {}
     for name in formats:
         kind = name.removesuffix("-bf16")
@@ -79,7 +84,10 @@ def main() -> int:
             operand_dtype="bfloat16" if name.endswith("-bf16") else None,
         )
         tensors = checkpoint.tensors(packed=kind != "float")
-        models[name] = (config, spec.load(config, tensors, dtype, checkpoint.num_tensors))
+        weights = spec.load(config, tensors, dtype, checkpoint.num_tensors)
+        for native in natives:
+            label = f"{name}+native" if native and args.native == "both" else name
+            models[label] = (dataclasses.replace(config, native_kernels=native), weights)
     print(f"{args.model_id}: step ms ({jax.default_backend()})")
     shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
     shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
@@ -113,13 +121,13 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, run in steps.items():
                 times[name] += _timed(run, 1, 5 if q_len == 1 else 2)
-        first = min(times[formats[0]])
+        first = min(times[next(iter(times))])
         what = f"decode {num_seqs:>3} seqs" if q_len == 1 else f"prefill {q_len:>4} tokens"
         for name, ms in times.items():
             best, median = min(ms), statistics.median(ms)
             print(
-                f"  {what} {name:>12}: best {best:7.1f}  median {median:7.1f}  "
-                f"({first / best:.2f}x the speed of {formats[0]})"
+                f"  {what} {name:>15}: best {best:7.1f}  median {median:7.1f}  "
+                f"({first / best:.2f}x the speed of {next(iter(times))})"
             )
     return 0
 

@@ -1,6 +1,8 @@
 """The one linear layer every projection goes through, for plain and quantized weights.
 
-``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``.
+``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``, and so
+does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the decoder's layer scan hands
+over whole where native CPU kernels may run (``models.decoder``).
 
 ``QuantizedWeight`` is int8 weight-only quantization with one float32 scale per output channel
 (symmetric, round to nearest): ``w ~= q * scale``. XLA:CPU widens int8 to the compute dtype in a
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.dequant_matmul import PackedWeight, dequant_matmul, dequantize
+from pallas_kernels.dequant_matmul import PackedLayer, PackedWeight, dequant_matmul, dequantize
 from pallas_kernels.dequant_matmul.reference import operand_dot
 
 OPERAND_DTYPES = (None, "bfloat16")
@@ -59,13 +61,13 @@ def quantize_int8(weight: np.ndarray, operand_dtype: str | None = None) -> Quant
 
 def linear(
     x: jax.Array,  # [..., in]
-    weight: jax.Array | QuantizedWeight | PackedWeight,  # [in, out]
+    weight: jax.Array | QuantizedWeight | PackedWeight | PackedLayer,  # [in, out]
     bias: jax.Array | None = None,  # [out]
     out_dtype: jnp.dtype | None = None,
 ) -> jax.Array:  # [..., out] in out_dtype, default x's dtype
     """x @ weight (+ bias), summed in float32 whatever the storage dtype; quantized weights
     round x to their ``operand_dtype`` first."""
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, (PackedWeight, PackedLayer)):
         y = dequant_matmul(_operands(x, weight.operand_dtype), weight)
     elif isinstance(weight, QuantizedWeight):
         flat = _operands(x.reshape(-1, x.shape[-1]), weight.operand_dtype)

@@ -85,6 +85,33 @@ class PackedWeight:
         return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
 
 
+@struct.dataclass
+class PackedLayer:
+    """Matrix ``index`` of a stacked ``[layers, in, out]`` ``PackedWeight``, not sliced out.
+
+    Inside a layer scan, XLA copies a stacked operand's per-layer slice before a custom call;
+    the native CPU kernel reads the matrix in the whole stack instead. Every other
+    implementation dequantizes ``matrix()``, a slice XLA fuses into its dequantization.
+    """
+
+    stack: PackedWeight  # [layers, in, out]
+    index: jax.Array  # [] int32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def operand_dtype(self) -> str | None:
+        return self.stack.operand_dtype
+
+    def matrix(self) -> PackedWeight:  # [in, out]
+        """The one matrix, sliced out of the stack."""
+        return jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, False), self.stack
+        )
+
+
 @dataclass
 class HostPacked:
     """``PackedWeight``'s host form before packing: codes one per byte, arrays in numpy."""

@@ -1,30 +1,43 @@
-"""``dequant_matmul``: one entry point that picks the Pallas kernel or the reference.
+"""``dequant_matmul``: one entry point that picks the native CPU kernel, the Pallas kernel or the
+reference.
 
-``impl="auto"`` runs the Pallas kernel on the backends in ``KERNEL_BACKENDS`` and the reference
-elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a GPU
-(``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a quantized
-model must not stop serving on a kernel nobody has run there. ``impl="pallas"`` always runs it
-(interpreted on CPU). On CPU the reference is
-the fastest XLA formulation measured (BENCHMARKS.md, "Quantized weights"): dequantize the matrix,
-then one dot. XLA:CPU does not fuse the widening into its dot, but one layer's dequantized matrix
-stays in cache, so a decode step reads the packed bytes from memory instead of float32 ones.
-Multiply-and-reduce without the float copy, and column-tiled dequantization, were both slower.
+``impl="auto"``:
+
+- a ``PackedLayer`` (one layer of a stack; the decoder hands its layer scans' weights over this
+  way only where native kernels may run: the CPU backend without a device mesh) goes to the
+  native CPU kernel (``native.py``) when it is built, reads the weight's format, and the call has
+  at most ``NATIVE_MAX_TOKENS`` rows: it unpacks the weight in registers instead of writing its
+  float32 matrix, and reads the layer inside the stack, so nothing is copied per layer. Longer
+  calls (prefill chunks) run the reference, whose one large dot is faster there;
+- otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
+  elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
+  GPU (``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a
+  quantized model must not stop serving on a kernel nobody has run there.
+
+``impl="native"`` applies the native kernel's rule above to a plain ``PackedWeight`` as well
+(the LM head, outside the layer scan); ``impl="pallas"`` always runs the Pallas kernel
+(interpreted on CPU); ``impl="reference"`` the reference. On XLA:CPU the reference is the fastest
+XLA formulation measured (BENCHMARKS.md, "Quantized weights"): dequantize the matrix, then one
+dot.
 """
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.dequant_matmul import kernel, reference
-from pallas_kernels.dequant_matmul.formats import PackedWeight
+from pallas_kernels.dequant_matmul import kernel, native, reference
+from pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
 
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = ("auto", "native", "pallas", "reference")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a GPU run of the kernel is recorded
+# Rows up to which the native kernel beats the reference on CPU (tools/bench_decode_step.py,
+# BENCHMARKS.md "Native dequant-matmul"); past it the reference's dot wins.
+NATIVE_MAX_TOKENS = 16
 
 
 def dequant_matmul(
     x: jax.Array,  # [..., in]
-    w: PackedWeight,  # [in, out]
+    w: PackedWeight | PackedLayer,  # [in, out]
     *,
     impl: str = "auto",
 ) -> jax.Array:  # [..., out] float32
@@ -34,8 +47,27 @@ def dequant_matmul(
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     backend = jax.default_backend()
-    if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
-        out = kernel.dequant_matmul(flat, w, interpret=backend == "cpu")
+    wants_native = impl == "native" or (impl == "auto" and isinstance(w, PackedLayer))
+    if wants_native and _native_runs(flat, w, backend):
+        if isinstance(w, PackedLayer):
+            out = native.dequant_matmul(flat, w.stack, w.index)
+        else:
+            out = native.dequant_matmul(flat, w)
     else:
-        out = reference.dequant_matmul(flat, w)
+        matrix = w.matrix() if isinstance(w, PackedLayer) else w
+        if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
+            out = kernel.dequant_matmul(flat, matrix, interpret=backend == "cpu")
+        else:
+            out = reference.dequant_matmul(flat, matrix)
     return out.reshape(*lead, out.shape[-1])
+
+
+def _native_runs(x: jax.Array, w: PackedWeight | PackedLayer, backend: str) -> bool:
+    """Whether the native kernel takes this call (see the module docstring)."""
+    stack = w.stack if isinstance(w, PackedLayer) else w
+    return (
+        backend == "cpu"
+        and x.shape[0] <= NATIVE_MAX_TOKENS
+        and native.supports(x, stack)
+        and native.available()
+    )

@@ -1,0 +1,143 @@
+"""Native CPU dequant-matmul: ``reference.dequant_matmul``'s contract as an XLA FFI call.
+
+XLA:CPU does not fuse the dequantization into its dot, so the reference writes every weight's
+float32 matrix on every call. The kernel (``pallas_kernels/native/dequant_matmul.cc``, built by
+``pallas_kernels.native``) unpacks a ``[128, 32]`` panel of the weight at a time into a buffer
+that stays in L1 and multiplies it into float32 accumulators held in registers, for every
+format of ``formats.py`` (one formula, any bit planes, optional ``sc``, ``z``, ``mn``, ``m``),
+in blocks of 32 output columns spread over XLA's CPU thread pool.
+
+A stacked weight (``[layers, in, out]`` on every array) goes in whole with the layer index as an
+operand, so the decoder's layer scan copies no per-layer slice (the scan's dynamic slice of an
+operand of a custom call is a copy; XLA fuses it into the reference's dequantization instead).
+
+``available()`` builds and registers the kernel once (False without a compiler or with
+``RUNTIME_NATIVE_KERNELS=0``); ``supports(x, w)`` says whether it reads this weight. Results
+match the reference to float32 rounding: the panel is the reference's formula with the final
+multiply and subtract fused, and only the order of the sums differs. Activations are multiplied
+in float32 (bfloat16 or float16 ones are widened exactly, and the weight is not rounded to their
+dtype as the reference does).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+from pallas_kernels.dequant_matmul.formats import PLANES, RUN, PackedWeight
+
+_SOURCE = Path(native.__file__).resolve().parent / "dequant_matmul.cc"
+_X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
+_GROUP_FIELDS = ("d", "sc", "z", "mn", "m")
+MIN_GROUP = 16  # the finest group the kernel reads
+# The dtypes the kernel reads each group array in (those of ``formats.PackedWeight``).
+_GROUP_DTYPES = {
+    name: jnp.dtype(t)
+    for name, t in (
+        ("d", jnp.float16),
+        ("sc", jnp.int8),
+        ("z", jnp.uint8),
+        ("mn", jnp.float16),
+        ("m", jnp.uint8),
+    )
+}
+
+
+@functools.cache
+def _target() -> str | None:
+    """The registered FFI target's name, or None when the library is unavailable."""
+    library = native.load("dequant_matmul")
+    if library is None:
+        return None
+    # The name follows the source, so an executable in the persistent compilation cache can
+    # never call a handler built from another version of it.
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"runtime_dequant_matmul_{digest}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(library.DequantMatmul), platform="cpu")
+    return name
+
+
+def available() -> bool:
+    """Whether the native kernel is built and registered (building it on first call)."""
+    return _target() is not None
+
+
+def _group_sizes(w: PackedWeight) -> list[int]:
+    """Input features per row of each group array (a ``[1, 1]`` zero code is not a group)."""
+    k = w.shape[-2]
+    sizes = []
+    for name in _GROUP_FIELDS:
+        a = getattr(w, name)
+        if a is None or (name == "z" and a.shape[-2:] == (1, 1)):
+            continue
+        rows = a.shape[-2]
+        sizes.append(k // rows if rows and k % rows == 0 else 0)
+    return sizes
+
+
+def supports(x: jax.Array, w: PackedWeight) -> bool:
+    """Whether the kernel reads this call: float activations, a weight of one matrix or one
+    stack of them, bit planes of ``formats.PLANES`` and groups of 16 rows (k-quants' sub-blocks)
+    or multiples of 32."""
+    if jnp.dtype(x.dtype) not in _X_DTYPES or w.planes[0].ndim not in (2, 3):
+        return False
+    if w.bits not in PLANES or len(w.planes) != len(PLANES[w.bits]):
+        return False
+    for name in _GROUP_FIELDS:
+        a = getattr(w, name)
+        if a is not None and (
+            jnp.dtype(a.dtype) != _GROUP_DTYPES[name] or a.ndim != w.planes[0].ndim
+        ):
+            return False
+    return all(s == MIN_GROUP or (s > 0 and s % RUN == 0) for s in _group_sizes(w))
+
+
+def dequant_matmul(
+    x: jax.Array,  # [num_tokens, in] float32, bfloat16 or float16
+    w: PackedWeight,  # [in, out], or [layers, in, out] with ``layer``
+    layer: jax.Array | int | None = None,  # [] int32: the matrix of a stacked weight
+) -> jax.Array:  # [num_tokens, out] float32
+    """``x @ dequantize(w)`` (of ``w``'s matrix ``layer`` when stacked) in the native kernel;
+    raises if the kernel is unavailable or does not read the weight (``supports``)."""
+    stacked = w.planes[0].ndim == 3
+    if stacked != (layer is not None):
+        raise ValueError(
+            f"a stacked weight needs a layer index and a single matrix none; got weight shape "
+            f"{w.shape} with layer {layer!r}"
+        )
+    if x.ndim != 2 or x.shape[-1] != w.shape[-2]:
+        raise ValueError(f"x must be [num_tokens, {w.shape[-2]}], got shape {x.shape}")
+    if not supports(x, w):
+        raise ValueError(
+            f"the native kernel does not read this call (x {x.dtype}, weight {w.shape} of "
+            f"{w.bits} bits with groups of {_group_sizes(w)} rows); use the reference"
+        )
+    target = _target()
+    if target is None:
+        raise RuntimeError(
+            "the native dequant-matmul kernel is unavailable (see the log); "
+            "call reference.dequant_matmul instead"
+        )
+    planes = PLANES[w.bits]
+    none_u8 = jnp.zeros((0,), jnp.uint8)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32),
+        w.planes[0],
+        w.planes[1] if len(planes) > 1 else none_u8,
+        w.d,
+        jnp.zeros((0,), jnp.int8) if w.sc is None else w.sc,
+        none_u8 if w.z is None else w.z,
+        jnp.zeros((0,), jnp.float16) if w.mn is None else w.mn,
+        none_u8 if w.m is None else w.m,
+        bits0=np.int64(planes[0]),
+        bits1=np.int64(planes[1] if len(planes) > 1 else 0),
+        zero=np.int64(w.zero),
+    )

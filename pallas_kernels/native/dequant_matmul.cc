@@ -1,0 +1,523 @@
+// Dequant-matmul for XLA:CPU: y = x @ dequantize(w) for one PackedWeight, the
+// weight unpacked in registers and never written out (see
+// pallas_kernels/dequant_matmul/native.py for the contract). The formula is
+// formats.py's, w = s * (q - z) - l with s = d * sc and l = mn * m, a factor a
+// format lacks left out. Over the 16 rows of `in` that a group covers at least
+// (k-quants' sub-blocks; every other group is a multiple of 32), s, z and l
+// are constant per column, so
+//
+//   sum_k x[k] w[k] = s * sum_k x[k] q[k] - (s * z + l) * sum_k x[k]
+//
+// The inner loop is the first sum only: codes shifted out of their bit planes,
+// converted to float and multiplied into float32 accumulators, one FMA per
+// code and row of x. Each 32-row run then adds s times its sums (one per half
+// run) to the output rows and subtracts the offset times the sums of x, which
+// are computed once per call.
+//
+// Work items are blocks of output columns, taken from one atomic counter by the
+// calling thread and XLA's CPU thread pool. A block runs up to kMaxRows rows of
+// x at a time, all of `in`, with its accumulators in registers.
+//
+// The weight may be a stack of layers ([layers, ...] on every array) with the
+// layer chosen by an operand, so that the decoder's layer scan passes the
+// whole stack and no per-layer slice is copied.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;    // floats per vector (one AVX-512 register)
+constexpr int kRun = 32;      // codes per packed run along `in`
+constexpr int kHalf = 16;     // the finest group the kernel reads (k-quants' sub-blocks)
+constexpr int kMaxBlock = 1024;  // output columns per work item at most
+constexpr int kMaxRows = 8;   // rows of x per pass
+constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
+// Work (rows of `in` x columns x (rows of x + 2)) from which a call is spread
+// over the thread pool; below it, the calling thread runs it alone.
+constexpr int64_t kParallelWork = int64_t{1} << 21;
+constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread sleeps
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t U8x16 __attribute__((vector_size(kLanes)));
+typedef int8_t I8x16 __attribute__((vector_size(kLanes)));
+
+inline Vec Splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_set1_ps(x));
+#else
+  return x - Vec{};  // exact for every x, so it folds to a broadcast
+#endif
+}
+
+inline Vec ToFloat(IVec v) { return __builtin_convertvector(v, Vec); }
+
+// Widening loads of 16 bytes. GCC lowers __builtin_convertvector of bytes one
+// lane at a time, so AVX-512 gets its instruction.
+inline IVec LoadU8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IVec>(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  U8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, IVec);
+#endif
+}
+
+inline Vec LoadI8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return ToFloat(reinterpret_cast<IVec>(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  I8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Vec);
+#endif
+}
+
+// float16 bits -> float32 (normal, subnormal, zero, inf and NaN).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --e;
+    }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline Vec LoadF16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = HalfToFloat(p[i]);
+  Vec v;
+  std::memcpy(&v, lanes, sizeof v);
+  return v;
+#endif
+}
+
+inline void Pause() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// One [K, N] matrix of a PackedWeight (one layer of a stack).
+struct Weight {
+  int64_t k = 0, n = 0;
+  int b0 = 0, b1 = 0;  // bits of plane 0 (the code's low bits) and plane 1 (0: none)
+  const uint8_t* p0 = nullptr;
+  const uint8_t* p1 = nullptr;
+  const uint16_t* d = nullptr;  // float16 bits
+  const int8_t* sc = nullptr;
+  const uint8_t* z = nullptr;
+  const uint16_t* mn = nullptr;
+  const uint8_t* m = nullptr;
+  int64_t gd = 0, gs = 0, gz = 0, gmn = 0, gm = 0;  // rows of `in` per group row
+  // Per half run h: where the group rows of d, sc, z, mn and m holding row
+  // h * kHalf start (row * n), so that no pass divides.
+  const int64_t* starts = nullptr;  // [k / kHalf, kArrays]
+  int zero = 0;          // the zero code when z is absent (or one value for the matrix)
+  int64_t fine = 0;      // the finest group: kHalf or a multiple of kRun
+  bool offset = false;   // whether s * z + l can be nonzero
+};
+
+struct Problem {
+  Weight w;
+  const float* x = nullptr;   // [rows, k]
+  const float* xs = nullptr;  // [rows, k / kHalf]: sums of x over each half run
+  float* y = nullptr;         // [rows, n]
+  int64_t rows = 0;
+  int64_t block = 0;  // output columns per work item
+};
+
+// The group rows of d, sc, z, mn and m that hold one half run (nullptr where
+// the weight lacks the array).
+struct GroupRows {
+  const uint16_t* d;
+  const int8_t* sc;
+  const uint8_t* z;
+  const uint16_t* mn;
+  const uint8_t* m;
+};
+
+inline GroupRows RowsOf(const Weight& w, int64_t half) {
+  const int64_t* at = w.starts + half * kArrays;
+  return GroupRows{w.d + at[0], w.sc ? w.sc + at[1] : nullptr, w.z ? w.z + at[2] : nullptr,
+                   w.mn ? w.mn + at[3] : nullptr, w.m ? w.m + at[4] : nullptr};
+}
+
+// s and s * z + l of one vector of columns from `c` of a half run's group.
+__attribute__((always_inline)) inline void Factors(const Weight& w, const GroupRows& g, int64_t c,
+                                                   Vec& s, Vec& o) {
+  s = LoadF16(g.d + c);
+  if (g.sc) s *= LoadI8(g.sc + c);
+  o = Vec{};
+  if (g.z) {
+    o = ToFloat(LoadU8(g.z + c)) * s;
+  } else if (w.zero) {
+    o = s * static_cast<float>(w.zero);
+  }
+  if (g.mn) o += g.m ? LoadF16(g.mn + c) * ToFloat(LoadU8(g.m + c)) : LoadF16(g.mn + c);
+}
+
+// Bits [shift, shift + width) of every lane's byte (constants once unrolled).
+inline IVec Field(IVec bytes, int shift, int width) {
+  const IVec shifted = shift ? bytes >> shift : bytes;
+  return shift + width == 8 ? shifted : shifted & ((1 << width) - 1);
+}
+
+// y[r0 : r0 + Rows, col : end] = x[r0 : r0 + Rows] @ dequantize(w)[:, col : end]
+// for whole vectors of columns. Runs are the outer loop and the columns the
+// inner one, so the block's bytes of each plane row are read in address order
+// (every 4 * b rows of a run are that many sequential streams); the output
+// rows live in `out` [Rows, end - col] meanwhile. B0 and B1 are the bit planes'
+// widths (B1 = 0: one plane); byte j of a plane's run holds codes j + s * 4 * b
+// at bit s * b. Each half run's sum is split over Chains accumulators per row
+// so that the FMAs' latency is hidden when there are few rows.
+template <int B0, int B1, int Rows>
+void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
+  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
+  constexpr int kChains = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+  const Weight& w = p.w;
+  const int64_t width = end - col, halves = w.k / kHalf;
+  const bool fine = w.fine < kRun;
+  const float* x = p.x + r0 * w.k;
+  const float* xs = p.xs + r0 * halves;
+  std::fill(out, out + Rows * width, 0.0f);
+  for (int64_t run = 0; run < w.k / kRun; ++run) {
+    const int64_t row = run * kRun;
+    Vec xb[kRun][Rows];  // the run's x, broadcast
+    for (int i = 0; i < kRun; ++i)
+      for (int r = 0; r < Rows; ++r) xb[i][r] = Splat(x[r * w.k + row + i]);
+    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
+    for (int64_t c = 0; c < width; c += kLanes) {
+      Vec s[2], o[2];
+      Factors(w, g0, col + c, s[0], o[0]);
+      if (fine) Factors(w, g1, col + c, s[1], o[1]);
+      IVec lo[kRows0], hi[kRows1];
+#pragma GCC unroll 32
+      for (int j = 0; j < kRows0; ++j) lo[j] = LoadU8(w.p0 + (run * kRows0 + j) * w.n + col + c);
+      if constexpr (B1 != 0) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kRows1; ++j)
+          hi[j] = LoadU8(w.p1 + (run * kRows1 + j) * w.n + col + c);
+      }
+      Vec acc[2][kChains][Rows];
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < kChains; ++k)
+          for (int r = 0; r < Rows; ++r) acc[h][k][r] = Vec{};
+#pragma GCC unroll 32
+      for (int i = 0; i < kRun; ++i) {
+        IVec q = Field(lo[i % kRows0], (i / kRows0) * B0, B0);
+        if constexpr (B1 != 0) q |= Field(hi[i % kRows1], (i / kRows1) * B1, B1) << B0;
+        const Vec qf = ToFloat(q);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) acc[i / kHalf][i % kChains][r] += xb[i][r] * qf;
+      }
+      for (int r = 0; r < Rows; ++r) {
+        Vec a0 = acc[0][0][r], a1 = acc[1][0][r];
+        for (int k = 1; k < kChains; ++k) {
+          a0 += acc[0][k][r];
+          a1 += acc[1][k][r];
+        }
+        const float x0 = xs[r * halves + 2 * run], x1 = xs[r * halves + 2 * run + 1];
+        float* dst = out + r * width + c;
+        Vec y = Load(dst);
+        if (fine) {
+          y += a0 * s[0] + a1 * s[1];
+          if (w.offset) y -= o[0] * x0 + o[1] * x1;
+        } else {
+          y += (a0 + a1) * s[0];
+          if (w.offset) y -= o[0] * (x0 + x1);
+        }
+        Store(dst, y);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    std::memcpy(p.y + (r0 + r) * w.n + col, out + r * width, sizeof(float) * width);
+}
+
+using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
+
+// The passes of one bit layout, by rows of x: 1 to kMaxRows.
+struct Passes {
+  PassFn rows[kMaxRows];
+};
+
+template <int B0, int B1>
+Passes MakePasses() {
+  return Passes{{Pass<B0, B1, 1>, Pass<B0, B1, 2>, Pass<B0, B1, 3>, Pass<B0, B1, 4>,
+                 Pass<B0, B1, 5>, Pass<B0, B1, 6>, Pass<B0, B1, 7>, Pass<B0, B1, 8>}};
+}
+
+// The passes for planes of b0 and b1 bits (b1 = 0: one plane), or nullptr.
+const Passes* PassesFor(int b0, int b1) {
+  static const Passes p8 = MakePasses<8, 0>(), p42 = MakePasses<4, 2>(), p41 = MakePasses<4, 1>(),
+                      p4 = MakePasses<4, 0>(), p21 = MakePasses<2, 1>(), p2 = MakePasses<2, 0>();
+  switch (b0 * 16 + b1) {
+    case 8 * 16: return &p8;
+    case 4 * 16 + 2: return &p42;
+    case 4 * 16 + 1: return &p41;
+    case 4 * 16: return &p4;
+    case 2 * 16 + 1: return &p21;
+    case 2 * 16: return &p2;
+    default: return nullptr;
+  }
+}
+
+// One element of the weight, for the columns past the last whole vector.
+float Element(const Weight& w, int64_t row, int64_t col) {
+  const int64_t run = row / kRun, i = row % kRun;
+  const int rows0 = 4 * w.b0;
+  int32_t q = (w.p0[(run * rows0 + i % rows0) * w.n + col] >> ((i / rows0) * w.b0)) &
+              ((1 << w.b0) - 1);
+  if (w.b1) {
+    const int rows1 = 4 * w.b1;
+    q |= ((w.p1[(run * rows1 + i % rows1) * w.n + col] >> ((i / rows1) * w.b1)) &
+          ((1 << w.b1) - 1))
+         << w.b0;
+  }
+  float s = HalfToFloat(w.d[(row / w.gd) * w.n + col]);
+  if (w.sc) s *= static_cast<float>(w.sc[(row / w.gs) * w.n + col]);
+  int32_t z = w.zero;
+  if (w.z) z = w.z[(row / w.gz) * w.n + col];
+  float l = 0.0f;
+  if (w.mn) {
+    l = HalfToFloat(w.mn[(row / w.gmn) * w.n + col]);
+    if (w.m) l *= static_cast<float>(w.m[(row / w.gm) * w.n + col]);
+  }
+  return static_cast<float>(q - z) * s - l;
+}
+
+void TailColumns(const Problem& p, int64_t col, int64_t end) {
+  const Weight& w = p.w;
+  std::vector<float> column(static_cast<size_t>(w.k));
+  for (int64_t c = col; c < end; ++c) {
+    for (int64_t i = 0; i < w.k; ++i) column[i] = Element(w, i, c);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < w.k; ++i) sum += p.x[r * w.k + i] * column[i];
+      p.y[r * w.n + c] = sum;
+    }
+  }
+}
+
+// Columns [item * block, ...) of every row of y.
+void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
+  const Passes& passes = *PassesFor(p.w.b0, p.w.b1);
+  const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
+  const int64_t vector_end = col + (end - col) / kLanes * kLanes;
+  out.resize(static_cast<size_t>(kMaxRows * p.block));
+  if (vector_end > col) {
+    for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - r0));
+      passes.rows[rows - 1](p, col, vector_end, r0, out.data());
+    }
+  }
+  if (vector_end < end) TailColumns(p, vector_end, end);
+}
+
+// Items shared by the calling thread and the pool's tasks. Tasks hold it by
+// shared_ptr: one that starts after the call returned finds no item left and
+// touches nothing else.
+struct Work {
+  Problem problem;
+  std::vector<float> xs;
+  std::vector<int64_t> starts;
+  int64_t total = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+
+  void Run() {
+    thread_local std::vector<float> out;
+    for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
+      RunItem(problem, item, out);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mutex);
+        finished.notify_all();
+      }
+    }
+  }
+};
+
+// Rows of `in` per row of a group array with `rows` rows per matrix.
+int64_t GroupSize(int64_t k, int64_t rows) { return rows > 0 ? k / rows : 0; }
+
+ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U8> plane0,
+                             ffi::Buffer<ffi::U8> plane1, ffi::Buffer<ffi::F16> d,
+                             ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> z,
+                             ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::U8> m,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
+                             int64_t zero) {
+  const auto xd = x.dimensions();
+  const auto pd = plane0.dimensions();
+  if (xd.size() != 2 || (pd.size() != 2 && pd.size() != 3) ||
+      d.dimensions().size() != pd.size()) {
+    return ffi::Error::InvalidArgument(
+        "dequant_matmul: x must be [rows, in] and the weight [(layers,) in, out]");
+  }
+  const int64_t layers = pd.size() == 3 ? pd[0] : 1;
+  const int64_t index = pd.size() == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= layers) {
+    return ffi::Error::InvalidArgument("dequant_matmul: layer index out of range");
+  }
+  auto work = std::make_shared<Work>();
+  Weight w;
+  w.n = pd[pd.size() - 1];
+  w.b0 = static_cast<int>(bits0);
+  w.b1 = static_cast<int>(bits1);
+  if (PassesFor(w.b0, w.b1) == nullptr) {
+    return ffi::Error::InvalidArgument("dequant_matmul: unsupported bit planes");
+  }
+  w.k = pd[pd.size() - 2] * 8 / w.b0;
+  w.zero = static_cast<int>(zero);
+  if (xd[1] != w.k || w.k % kRun != 0) {
+    return ffi::Error::InvalidArgument("dequant_matmul: x's width does not match the weight");
+  }
+  // A group array's rows per matrix, and its data at the chosen layer.
+  auto rows_of = [](auto& buffer) -> int64_t {
+    const auto dims = buffer.dimensions();
+    return dims.size() >= 2 ? dims[dims.size() - 2] : 0;
+  };
+  auto at_layer = [&](auto& buffer) {
+    return buffer.typed_data() + (buffer.element_count() / layers) * index;
+  };
+  w.p0 = at_layer(plane0);
+  if (w.b1) w.p1 = at_layer(plane1);
+  w.d = reinterpret_cast<const uint16_t*>(at_layer(d));
+  w.gd = GroupSize(w.k, rows_of(d));
+  int64_t fine = w.gd;
+  if (sc.element_count() > 0) {
+    w.sc = at_layer(sc);
+    w.gs = GroupSize(w.k, rows_of(sc));
+    fine = std::min(fine, w.gs);
+  }
+  if (z.element_count() > 0) {
+    const auto zd = z.dimensions();
+    if (zd[zd.size() - 1] == 1 && zd[zd.size() - 2] == 1) {
+      w.zero = at_layer(z)[0];  // one zero code for the whole matrix
+    } else {
+      w.z = at_layer(z);
+      w.gz = GroupSize(w.k, rows_of(z));
+      fine = std::min(fine, w.gz);
+    }
+  }
+  if (mn.element_count() > 0) {
+    w.mn = reinterpret_cast<const uint16_t*>(at_layer(mn));
+    w.gmn = GroupSize(w.k, rows_of(mn));
+    fine = std::min(fine, w.gmn);
+    if (m.element_count() > 0) {
+      w.m = at_layer(m);
+      w.gm = GroupSize(w.k, rows_of(m));
+      fine = std::min(fine, w.gm);
+    }
+  }
+  w.fine = fine;
+  w.offset = w.z != nullptr || w.zero != 0 || w.mn != nullptr;
+  if (fine != kHalf && (fine < kRun || fine % kRun != 0)) {
+    return ffi::Error::InvalidArgument(
+        "dequant_matmul: groups must be 16 rows or a multiple of 32");
+  }
+  const int64_t halves = w.k / kHalf;
+  const int64_t sizes[kArrays] = {w.gd, w.gs, w.gz, w.gmn, w.gm};
+  work->starts.resize(static_cast<size_t>(halves * kArrays));
+  for (int64_t h = 0; h < halves; ++h)
+    for (int a = 0; a < kArrays; ++a)
+      work->starts[h * kArrays + a] = sizes[a] > 0 ? h * kHalf / sizes[a] * w.n : 0;
+  w.starts = work->starts.data();
+
+  Problem& p = work->problem;
+  p.w = w;
+  p.x = x.typed_data();
+  p.y = y->typed_data();
+  p.rows = xd[0];
+  if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
+  work->xs.resize(static_cast<size_t>(p.rows * halves));
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t h = 0; h < halves; ++h) {
+      float sum = 0.0f;
+      for (int i = 0; i < kHalf; ++i) sum += p.x[r * w.k + h * kHalf + i];
+      work->xs[r * halves + h] = sum;
+    }
+  }
+  p.xs = work->xs.data();
+  // Two blocks per thread, of whole vectors, at most kMaxBlock columns.
+  const int64_t threads = pool.num_threads() + 1;
+  p.block = std::min<int64_t>(kMaxBlock, (w.n + 2 * threads - 1) / (2 * threads));
+  p.block = std::max<int64_t>(kLanes, (p.block + kLanes - 1) / kLanes * kLanes);
+  work->total = (w.n + p.block - 1) / p.block;
+  // Handing items to the pool costs tens of microseconds (waking its threads),
+  // so a small call runs on the calling thread alone.
+  const bool parallel = w.k * w.n * (p.rows + 2) >= kParallelWork;
+  const int64_t helpers = parallel ? std::min<int64_t>(pool.num_threads(), work->total - 1) : 0;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  // The last items are usually a few microseconds from done: spin before sleeping.
+  for (int spin = 0; spin < kSpins && work->done.load() != work->total; ++spin) Pause();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, in]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [] (stacked weights)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // plane 0
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // plane 1 ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // d
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // sc ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // z ([0]: `zero`)
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // mn ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // m ([0]: none)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, out]
+                                  .Attr<int64_t>("bits0")
+                                  .Attr<int64_t>("bits1")
+                                  .Attr<int64_t>("zero"));

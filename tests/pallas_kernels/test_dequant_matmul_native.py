@@ -1,0 +1,161 @@
+"""The native CPU dequant-matmul kernel against the pure-jnp reference, and its dispatch.
+
+Weights are the reference tests' (``gguf_bytes``: quantized random floats or random blocks, every
+GGUF type), GPTQ-style zero codes, and mixed-type stacks (``host.stack``: the widest code, the
+finest groups, one zero code per matrix). Shapes are odd on purpose: 100 output columns (vectors
+of 16 plus 4 columns the kernel computes one at a time), 1, 7 and 16 rows (one or two passes of
+up to 8 rows). The kernel is compiled on first use (``pallas_kernels.native``); without a C++
+compiler the numerics tests skip and the fallback tests still run.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from pallas_kernels.dequant_matmul import PackedLayer, native, ops, reference
+from pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
+from pallas_kernels.dequant_matmul.host import stack
+from tests.pallas_kernels.test_dequant_matmul import (
+    TYPES,
+    assert_close,
+    gguf_bytes,
+    gptq_weight,
+    in_features,
+    tokens,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not native.available(), reason="the native kernel could not be built here (no C++ compiler?)"
+)
+
+
+def run_native(x, w, layer=None) -> jax.Array:
+    if layer is None:
+        return jax.jit(native.dequant_matmul)(x, w)
+    return jax.jit(native.dequant_matmul)(x, w, jnp.int32(layer))
+
+
+def host_weight(qtype: T, out: int = 100, seed: int = 0):
+    k = in_features(qtype)
+    return from_gguf(gguf_bytes(qtype, out, k, seed=seed), qtype, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matches_reference(qtype):
+    w = host_weight(qtype).to_device()
+    for num_tokens in (1, 7, 16):
+        x = tokens(num_tokens, w.shape[0], seed=num_tokens)
+        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "qtypes",
+    [(T.Q4_K, T.Q6_K, T.Q4_K), (T.Q5_0, T.Q8_0, T.Q5_0), (T.Q4_1, T.Q4_0, T.Q8_0)],
+    ids=["q4k_q6k", "q5_0_q8_0", "q4_1_q4_0_q8_0"],
+)
+def test_stacked_layers_read_in_place(qtypes):
+    # Mixed stacks: 6-bit codes with 16-row sub-blocks and a mixed minimum; 8-bit codes with one
+    # zero code per matrix ([layers, 1, 1]); 4- and 8-bit blocks of 32 with and without minimums.
+    stacked = stack([host_weight(t, seed=i) for i, t in enumerate(qtypes)]).to_device()
+    x = tokens(7, stacked.shape[-2])
+    for layer in range(len(qtypes)):
+        matrix = PackedLayer(stacked, jnp.int32(layer)).matrix()
+        assert_close(run_native(x, stacked, layer), reference.dequant_matmul(x, matrix))
+
+
+@needs_kernel
+def test_layer_scan_calls_the_kernel_on_the_whole_stack():
+    stacked = stack([host_weight(T.Q4_1, out=96, seed=i) for i in range(3)]).to_device()
+    x = tokens(2, stacked.shape[-2])
+
+    def scan(x, w):
+        def body(carry, index):
+            return carry, ops.dequant_matmul(x, PackedLayer(w, index))
+
+        return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+    out = jax.jit(scan)(x, stacked)
+    for layer in range(3):
+        matrix = PackedLayer(stacked, jnp.int32(layer)).matrix()
+        assert_close(out[layer], reference.dequant_matmul(x, matrix))
+    hlo = jax.jit(scan).lower(x, stacked).compile().as_text()
+    assert "runtime_dequant_matmul_" in hlo
+    assert not re.search(r"= u8\[[^\n]* (dynamic-slice|copy)\(", hlo)  # no slice of the codes
+
+
+@needs_kernel
+@pytest.mark.parametrize("z_shape", [(2, 96), (1, 1)], ids=["per_group", "one"])
+def test_gptq_zero_points(z_shape):
+    w, _ = gptq_weight(z_shape)
+    for num_tokens in (1, 16):
+        x = tokens(num_tokens, 256)
+        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
+
+
+@needs_kernel
+def test_narrow_outputs_and_bfloat16_activations():
+    x = tokens(3, 96)
+    for out in (10, 16, 48):  # no whole vector; one vector; a block of three vectors
+        w = from_gguf(gguf_bytes(T.Q8_0, out, 96), T.Q8_0, 96).to_device()
+        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
+    # bfloat16 activations are widened exactly and multiply the float32 weight.
+    w = host_weight(T.Q4_K).to_device()
+    xb = tokens(5, w.shape[0], dtype=jnp.bfloat16)
+    expected = jnp.dot(
+        xb.astype(jnp.float32), reference.dequantize(w), precision=jax.lax.Precision.HIGHEST
+    )
+    assert_close(run_native(xb, w), expected)
+
+
+def test_supports_and_rejects():
+    w = host_weight(T.Q4_0).to_device()
+    x = tokens(2, w.shape[0])
+    assert native.supports(x, w)
+    assert not native.supports(x.astype(jnp.int32), w)
+    eights = w.replace(d=jnp.repeat(w.d, 4, axis=0))  # a group of 8 rows
+    assert not native.supports(x, eights)
+    with pytest.raises(ValueError, match="does not read this call"):
+        native.dequant_matmul(x, eights)
+    with pytest.raises(ValueError, match="needs a layer index"):
+        native.dequant_matmul(x, jax.tree.map(lambda a: a[None], w))
+    with pytest.raises(ValueError, match=r"x must be \[num_tokens, 96\]"):
+        native.dequant_matmul(x[:, :64], w)
+
+
+@needs_kernel
+def test_ops_dispatch():
+    stacked = stack([host_weight(T.Q6_K, seed=i) for i in range(2)]).to_device()
+    layer = PackedLayer(stacked, jnp.int32(1))
+    matrix = layer.matrix()
+    k = stacked.shape[-2]
+    small, large = tokens(4, k), tokens(ops.NATIVE_MAX_TOKENS + 1, k)
+    assert_close(ops.dequant_matmul(small, layer), reference.dequant_matmul(small, matrix))
+    native_out = ops.dequant_matmul(small, matrix, impl="native")
+    np.testing.assert_array_equal(np.asarray(native_out), np.asarray(run_native(small, matrix)))
+    # Past NATIVE_MAX_TOKENS rows, and for a plain PackedWeight under "auto": the reference.
+    for x, w in ((large, layer), (small, matrix)):
+        np.testing.assert_array_equal(
+            np.asarray(ops.dequant_matmul(x, w)), np.asarray(reference.dequant_matmul(x, matrix))
+        )
+
+
+def test_falls_back_to_the_reference_without_the_library(monkeypatch):
+    monkeypatch.setattr(native, "_target", lambda: None)
+    stacked = stack([host_weight(T.Q4_1, seed=i) for i in range(2)]).to_device()
+    layer = PackedLayer(stacked, jnp.int32(0))
+    x = tokens(3, stacked.shape[-2])
+    expected = np.asarray(reference.dequant_matmul(x, layer.matrix()))
+    np.testing.assert_array_equal(np.asarray(ops.dequant_matmul(x, layer)), expected)
+    np.testing.assert_array_equal(
+        np.asarray(ops.dequant_matmul(x, layer.matrix(), impl="native")), expected
+    )
+    with pytest.raises(RuntimeError, match="unavailable"):
+        native.dequant_matmul(x, stacked, 0)
