@@ -83,7 +83,8 @@ def one_request(client: httpx.Client, url: str, i: int) -> tuple[int, str | None
 
 def metric(client: httpx.Client, url: str, name: str) -> float:
     page = client.get(url.removesuffix("/v1") + "/metrics").text
-    match = re.search(rf"^runtime_{name}(?:_total)? (\S+)$", page, re.MULTILINE)
+    # One served model: its series carries a model_name label.
+    match = re.search(rf"^runtime_{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", page, re.MULTILINE)
     assert match, f"no runtime_{name} in /metrics"
     return float(match[1])
 

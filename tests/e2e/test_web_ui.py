@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.browser import chromium
 from tests.serve_process import running_server
@@ -150,13 +151,11 @@ def record_reply_lengths(page: Page) -> None:
 def metrics(url: str) -> dict[str, float]:
     """Running requests and finished requests (all finish reasons) from /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    finished = running = 0.0
-    for line in text.splitlines():
-        if line.startswith("runtime_request_success_total"):
-            finished += float(line.split()[-1])
-        elif line.startswith("runtime_num_requests_running "):
-            running = float(line.split()[-1])
-    return {"finished": finished, "running": running}
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    finished = sum(s.value for s in samples if s.name == "runtime_request_success_total")
+    running = [s.value for s in samples if s.name == "runtime_num_requests_running"]
+    assert len(running) == 1, f"one served model, one running gauge: {running}"
+    return {"finished": finished, "running": running[0]}
 
 
 # ------------------------------------------------------------------ the real model
