@@ -419,11 +419,13 @@ void RunItem(const Problem& p, int64_t item, Scratch& s) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlock, hi - t0));
     const int64_t next = std::clamp<int64_t>(hi - t0 - kBlock, 0, kBlock);
     KeyRows(p, pages, t0 + kBlock, next, key_rows + kBlock);
-    for (int64_t b = 0; b < next; ++b) {
-      Prefetch(p, p.k, key_rows[kBlock + b] + h0, heads);
-      Prefetch(p, p.v, key_rows[kBlock + b] + h0, heads);
-    }
     for (int64_t h = 0; h < heads; ++h) {
+      // One KV head's rows of the next block at a time: a whole block's prefetches at once
+      // fill the miss queue and stall the work that could overlap them.
+      for (int64_t b = 0; b < next; ++b) {
+        Prefetch(p, p.k, key_rows[kBlock + b] + h0 + h, 1);
+        Prefetch(p, p.v, key_rows[kBlock + b] + h0 + h, 1);
+      }
       for (int b = 0; b < nb; ++b) {
         const int64_t row = key_rows[b] + h0 + h;
         k_rows[b] = RowAsFloat(p, p.k, p.k_scales, row, &s.k_rows[b * dp]);
