@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from models.registry import ModelSpec, model_config_from_hf
+from pallas_kernels.dequant_matmul import native as native_dequant
 from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from pallas_kernels.paged_attention import native as native_attention
 from runtime.buckets import BucketPlan
@@ -90,6 +91,7 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     if config.matmul_dtype != "auto":
         model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
     model_config = with_expert_offload(model_config, config)
+    model_config = with_native_kernels(model_config, config.tensor_parallel_size)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
@@ -131,7 +133,6 @@ def _build_replica(
         )
         weights = shard_weights(weights, mesh, config.expert_parallel)
         logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
-    model_config = with_native_kernels(model_config, mesh)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -197,14 +198,18 @@ def _build_replica(
     )
 
 
-def with_native_kernels(model_config: Any, mesh: Any) -> Any:
+def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     """``model_config`` with ``native_kernels`` set: on where the step runs on XLA:CPU without a
-    device mesh. A native kernel is a custom call, which XLA's SPMD partitioner does not split,
-    so a tensor-parallel step keeps the XLA formulations."""
-    allowed = jax.default_backend() == "cpu" and mesh is None
+    device mesh (one device per replica). A native kernel is a custom call, which XLA's SPMD
+    partitioner does not split, so a tensor-parallel step keeps the XLA formulations. Decided
+    before the weights load: where native kernels run, a quantized LM head stays packed."""
+    allowed = jax.default_backend() == "cpu" and tensor_parallel_size == 1
     if allowed:
-        kernel = "native" if native_attention.available() else "XLA reference"
-        logger.info("native CPU kernels allowed; paged attention: %s", kernel)
+        logger.info(
+            "native CPU kernels allowed; paged attention: %s, dequant-matmul: %s",
+            "native" if native_attention.available() else "XLA reference",
+            "native" if native_dequant.available() else "XLA reference",
+        )
     return dataclasses.replace(model_config, native_kernels=allowed)
 
 

@@ -83,11 +83,12 @@ def main() -> int:
             quantization=None if kind in ("float", "packed") else kind,
             operand_dtype="bfloat16" if name.endswith("-bf16") else None,
         )
-        tensors = checkpoint.tensors(packed=kind != "float")
-        weights = spec.load(config, tensors, dtype, checkpoint.num_tensors)
         for native in natives:
+            # Loaded per setting: where native kernels run, a quantized LM head stays packed.
+            config = dataclasses.replace(config, native_kernels=native)
+            tensors = checkpoint.tensors(packed=kind != "float")
             label = f"{name}+native" if native and args.native == "both" else name
-            models[label] = (dataclasses.replace(config, native_kernels=native), weights)
+            models[label] = (config, spec.load(config, tensors, dtype, checkpoint.num_tensors))
     print(f"{args.model_id}: step ms ({jax.default_backend()})")
     shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
     shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]

@@ -83,7 +83,7 @@ def test_builder_allows_native_kernels_on_one_cpu_device_only(gemma2):
     config = gemma2[1].config
     assert not config.native_kernels  # a model config alone keeps the XLA formulations
     on_cpu = jax.default_backend() == "cpu"
-    assert with_native_kernels(config, mesh=None).native_kernels is on_cpu
-    # A mesh means XLA's partitioner splits the step, and it would not split a custom call.
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
-    assert with_native_kernels(config, mesh=mesh).native_kernels is False
+    assert with_native_kernels(config, tensor_parallel_size=1).native_kernels is on_cpu
+    # Tensor parallelism means XLA's partitioner splits the step, and it would not split a
+    # custom call.
+    assert with_native_kernels(config, tensor_parallel_size=2).native_kernels is False

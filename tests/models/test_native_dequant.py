@@ -1,6 +1,6 @@
-"""The real SmolLM2 (Q4_1 projections) on the native CPU dequant-matmul kernel: the same greedy
-tokens as with the XLA formulations, and a decode step that reads every layer's projections in
-the whole stack (no per-layer copy of the packed codes).
+"""The real SmolLM2 (Q4_1 projections, a Q8_0 tied embedding) on the native CPU dequant-matmul
+kernel: the same greedy tokens as with the XLA formulations (float32 LM head), and a decode step
+that reads every layer's projections in the whole stack (no per-layer copy of the packed codes).
 
 Three chat prompts are prefilled in chunks of 8 tokens (24 rows: the reference's path) and then
 decoded together (3 rows per projection: the kernel's), through shuffled pages
@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from models.batch import StepBatch
-from pallas_kernels.dequant_matmul import native
+from models.registry import get_model_spec
+from pallas_kernels.dequant_matmul import PackedWeight, native
 from runtime.gguf_loader import load_gguf_checkpoint
 from runtime.tokenizer import Tokenizer
-from tests.models.harness import Loaded, PagedRunner, greedy_paged, load_checkpoint
+from tests.models.harness import Loaded, PagedRunner, greedy_paged
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +32,12 @@ PROMPTS = (
 )
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf) -> Loaded:
-    """SmolLM2 with its projections packed, native kernels off."""
-    return load_checkpoint(load_gguf_checkpoint(smollm2_gguf))
+def _load(path, native: bool) -> Loaded:
+    checkpoint = load_gguf_checkpoint(path)
+    spec = get_model_spec(checkpoint.config["architectures"][0])
+    config = dataclasses.replace(spec.config_from_hf(checkpoint.config), native_kernels=native)
+    weights = spec.load(config, checkpoint.tensors(packed=True), np.float32)
+    return Loaded(spec, config, weights)
 
 
 def _decode_hlo(model: Loaded) -> str:
@@ -47,13 +50,14 @@ def _decode_hlo(model: Loaded) -> str:
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel could not be built here")
-def test_greedy_tokens_equal_the_xla_formulation(smollm2, smollm2_gguf):
-    on = dataclasses.replace(
-        smollm2, config=dataclasses.replace(smollm2.config, native_kernels=True)
-    )
+def test_greedy_tokens_equal_the_xla_formulation(smollm2_gguf):
+    on, off = _load(smollm2_gguf, native=True), _load(smollm2_gguf, native=False)
+    # The tied embedding (Q8_0 in the file) is also kept packed as the LM head.
+    assert isinstance(on.weights["lm_head"], PackedWeight) and on.weights["lm_head"].bits == 8
+    assert "lm_head" not in off.weights
     hlo = _decode_hlo(on)
     assert "runtime_dequant_matmul_" in hlo
     assert not re.search(r"= u8\[[^\n]* (dynamic-slice|copy)\(", hlo)
     tokenizer = Tokenizer.from_gguf(smollm2_gguf)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    assert greedy_paged(on, ids) == greedy_paged(smollm2, ids)
+    assert greedy_paged(on, ids) == greedy_paged(off, ids)
