@@ -35,6 +35,7 @@ namespace {
 
 constexpr int kLanes = 16;   // floats per vector (one AVX-512 register)
 constexpr int kBlock = 16;   // keys per online-softmax step: one vector of scores
+constexpr int64_t kInlineRows = 4096;  // calls reading fewer K rows stay on one thread
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -536,10 +537,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.group = p.num_heads / p.num_kv_heads;
   p.query_block = std::min<int64_t>(query_block, std::max<int64_t>(p.q_len, 1));
   p.num_query_blocks = (p.q_len + p.query_block - 1) / p.query_block;
+  // A call that reads few rows (a short decoding sequence) runs on the calling
+  // thread alone: handing items to the pool would cost more than it saves.
+  int64_t rows_read = 0;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    rows_read += std::clamp<int64_t>(p.kv_lens[s], 0, p.pages_per_seq * p.page_size);
+  }
+  rows_read *= p.num_kv_heads * p.q_len;
+  const int64_t threads = rows_read < kInlineRows ? 0 : pool.num_threads();
   // An item reads whole pages (all its KV heads' rows are adjacent) unless that
   // leaves fewer than two items per thread; then the KV heads split into runs
   // (a lone decoding sequence still keeps every thread busy).
-  const int64_t min_items = 2 * std::max<int64_t>(1, pool.num_threads());
+  const int64_t min_items = threads > 0 ? 2 * threads : 1;
   const int64_t per_head = p.num_seqs * p.num_query_blocks;
   p.head_runs = std::clamp<int64_t>((min_items + per_head - 1) / std::max<int64_t>(per_head, 1),
                                     1, p.num_kv_heads);
@@ -553,7 +562,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   work->problem = p;
   work->total = per_head * p.head_runs;
   if (work->total == 0 || p.head_dim == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
+  const int64_t helpers = std::min<int64_t>(threads, work->total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   std::unique_lock<std::mutex> lock(work->mutex);

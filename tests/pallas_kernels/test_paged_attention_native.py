@@ -88,6 +88,18 @@ def test_head_sizes_page_sizes_and_dtypes(head_dim, page_size, dtype, tol):
 
 
 @needs_kernel
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_enough_rows_for_the_thread_pool(q_len):
+    # ~6,000 K rows per call: past the size a call runs on its calling thread alone.
+    kv_lens = np.random.default_rng(3).integers(q_len, 200, 32).tolist()
+    assert sum(kv_lens) * 2 > 4096
+    case = make_case([q_len] * 32, kv_lens, q_len, 8, 2, page_size=16, head_dim=32)
+    kwargs = dict(scale=32**-0.5, soft_cap=20.0)
+    out = run_native(case, **kwargs)
+    assert_matches(out, reference.paged_attention(*case.args(), **kwargs), case.seen())
+
+
+@needs_kernel
 def test_bfloat16_queries_keep_their_dtype():
     case = make_case(*DECODE, 4, 2)
     case = dataclasses.replace(case, q=case.q.astype(jnp.bfloat16))
