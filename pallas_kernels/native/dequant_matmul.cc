@@ -15,8 +15,9 @@
 // are computed once per call.
 //
 // Work items are blocks of output columns, taken from one atomic counter by the
-// calling thread and XLA's CPU thread pool. A block runs up to kMaxRows rows of
-// x at a time, all of `in`, with its accumulators in registers.
+// calling thread and all but one of XLA's CPU pool threads (as many workers as
+// cores). A block runs up to kMaxRows rows of x at a time, all of `in`, with
+// its accumulators in registers.
 //
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
@@ -485,15 +486,21 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
   }
   p.xs = work->xs.data();
-  // Two blocks per thread, of whole vectors, at most kMaxBlock columns.
-  const int64_t threads = pool.num_threads() + 1;
-  p.block = std::min<int64_t>(kMaxBlock, (w.n + 2 * threads - 1) / (2 * threads));
-  p.block = std::max<int64_t>(kLanes, (p.block + kLanes - 1) / kLanes * kLanes);
-  work->total = (w.n + p.block - 1) / p.block;
+  // The calling thread and the pool's threads but one: as many workers as the
+  // pool has threads (cores), since the calling thread is not one of them.
   // Handing items to the pool costs tens of microseconds (waking its threads),
   // so a small call runs on the calling thread alone.
-  const bool parallel = w.k * w.n * (p.rows + 2) >= kParallelWork;
-  const int64_t helpers = parallel ? std::min<int64_t>(pool.num_threads(), work->total - 1) : 0;
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const bool parallel = workers > 1 && w.k * w.n * (p.rows + 2) >= kParallelWork;
+  // About four blocks per worker, of whole vectors; a block of 128 columns or
+  // more is a multiple of 128 (whole 64-byte lines of 4-bit codes), at most
+  // kMaxBlock.
+  int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
+  block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
+                       : (block + kLanes - 1) / kLanes * kLanes;
+  p.block = parallel ? block : std::min<int64_t>(kMaxBlock, (w.n + kLanes - 1) / kLanes * kLanes);
+  work->total = (w.n + p.block - 1) / p.block;
+  const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   // The last items are usually a few microseconds from done: spin before sleeping.
