@@ -48,6 +48,11 @@ constexpr int kHalf = 16;     // the finest group the kernel reads (k-quants' su
 constexpr int kMaxBlock = 1024;  // output columns per work item at most
 constexpr int kMaxRows = 8;   // rows of x per pass
 constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
+// A lone row of x streams plane rows of up to kStreamRowBytes (a page: longer
+// rows live in pages of their own, which the column blocks read well), in
+// chunks of kStreamCols columns (32 KB of sums).
+constexpr int64_t kStreamRowBytes = 4096;
+constexpr int64_t kStreamCols = 8192;
 // Work (rows of `in` x columns x (rows of x + 2)) from which a call is spread
 // over the thread pool; below it, the calling thread runs it alone.
 constexpr int64_t kParallelWork = int64_t{1} << 21;
@@ -169,6 +174,12 @@ struct Problem {
   float* y = nullptr;         // [rows, n]
   int64_t rows = 0;
   int64_t block = 0;  // output columns per work item
+  // One row of x with short plane rows: items are ranges of runs (see Stream),
+  // item i > 0 summing into partials[i - 1] (each [vector_end]).
+  bool stream = false;
+  int64_t item_runs = 0;
+  int64_t vector_end = 0;  // columns in whole vectors
+  float* partials = nullptr;
 };
 
 // The group rows of d, sc, z, mn and m that hold one half run (nullptr where
@@ -307,6 +318,110 @@ const Passes* PassesFor(int b0, int b1) {
   }
 }
 
+// One row of x: the plane rows of `plane` (B bits, its code bits from Shift
+// up) for run `run`, columns [c0, c1), each row read whole and in address
+// order, added into per-column sums: `acc0` for the run's first half and `acc1`
+// for its second (the same array when the groups cover whole runs).
+template <int B, int Shift>
+void StreamPlane(const uint8_t* plane, int64_t n, int64_t run, const float* x, int64_t c0,
+                 int64_t c1, float* __restrict acc0, float* __restrict acc1) {
+  constexpr int kPlaneRows = 4 * B, kFields = 8 / B;
+  for (int j = 0; j < kPlaneRows; ++j) {
+    const uint8_t* src = plane + (run * kPlaneRows + j) * n;
+    Vec xv[kFields];
+    for (int f = 0; f < kFields; ++f) xv[f] = Splat(x[j + f * kPlaneRows] * float(1 << Shift));
+    if constexpr (kFields == 1) {
+      float* dst = j < kHalf ? acc0 : acc1;  // 8-bit codes: row j is code j
+      for (int64_t c = c0; c < c1; c += kLanes)
+        Store(dst + c, Load(dst + c) + xv[0] * ToFloat(LoadU8(src + c)));
+    } else {
+      // Fields below kFields / 2 are codes of the first half run, the rest of the second.
+      for (int64_t c = c0; c < c1; c += kLanes) {
+        const IVec bytes = LoadU8(src + c);
+        Vec t0 = Vec{}, t1 = Vec{};
+#pragma GCC unroll 8
+        for (int f = 0; f < kFields; ++f) {
+          const Vec q = ToFloat(Field(bytes, f * B, B));
+          if (f < kFields / 2) {
+            t0 += xv[f] * q;
+          } else {
+            t1 += xv[f] * q;
+          }
+        }
+        if (acc0 == acc1) {
+          Store(acc0 + c, Load(acc0 + c) + (t0 + t1));
+        } else {
+          Store(acc0 + c, Load(acc0 + c) + t0);
+          Store(acc1 + c, Load(acc1 + c) + t1);
+        }
+      }
+    }
+  }
+}
+
+// One row of x (decode of a lone sequence), runs [run0, run1) and columns
+// [c0, c1) of whole vectors, into out[c0 : c1]. The Pass order reads a run's
+// 4 * b plane rows side by side, 16 bytes of each at a time, which streams
+// from memory at a third of the rate of reading one row after another; here
+// each plane row is read whole (its codes' products summed per column in L1),
+// at the price of a load and a store of those sums per row.
+template <int B0, int B1>
+void StreamChunk(const Problem& p, int64_t run0, int64_t run1, int64_t c0, int64_t c1,
+                 float* __restrict out, float* __restrict acc) {
+  const Weight& w = p.w;
+  const int64_t width = c1 - c0, halves = w.k / kHalf;
+  const bool fine = w.fine < kRun;
+  float* acc0 = acc - c0;  // indexed by column
+  float* acc1 = fine ? acc0 + width : acc0;
+  std::fill(out + c0, out + c1, 0.0f);
+  for (int64_t run = run0; run < run1; ++run) {
+    const int64_t row = run * kRun;
+    std::fill(acc, acc + (fine ? 2 : 1) * width, 0.0f);
+    StreamPlane<B0, 0>(w.p0, w.n, run, p.x + row, c0, c1, acc0, acc1);
+    if constexpr (B1 != 0) StreamPlane<B1, B0>(w.p1, w.n, run, p.x + row, c0, c1, acc0, acc1);
+    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
+    const float x0 = p.xs[2 * run], x1 = p.xs[2 * run + 1];
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      Vec s0, o0, y = Load(out + c);
+      Factors(w, g0, c, s0, o0);
+      if (fine) {
+        Vec s1, o1;
+        Factors(w, g1, c, s1, o1);
+        y += Load(acc0 + c) * s0 + Load(acc1 + c) * s1;
+        if (w.offset) y -= o0 * x0 + o1 * x1;
+      } else {
+        y += Load(acc0 + c) * s0;
+        if (w.offset) y -= o0 * (x0 + x1);
+      }
+      Store(out + c, y);
+    }
+  }
+  (void)halves;
+}
+
+// Stream's columns in chunks of at most kStreamCols, so that the per-column
+// sums stay in L1 however wide the weight (an LM head).
+template <int B0, int B1>
+void Stream(const Problem& p, int64_t run0, int64_t run1, int64_t c0, int64_t c1,
+            float* __restrict out, float* __restrict acc) {
+  for (int64_t c = c0; c < c1; c += kStreamCols)
+    StreamChunk<B0, B1>(p, run0, run1, c, std::min(c1, c + kStreamCols), out, acc);
+}
+
+using StreamFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, float*);
+
+StreamFn StreamFor(int b0, int b1) {
+  switch (b0 * 16 + b1) {
+    case 8 * 16: return Stream<8, 0>;
+    case 4 * 16 + 2: return Stream<4, 2>;
+    case 4 * 16 + 1: return Stream<4, 1>;
+    case 4 * 16: return Stream<4, 0>;
+    case 2 * 16 + 1: return Stream<2, 1>;
+    case 2 * 16: return Stream<2, 0>;
+    default: return nullptr;
+  }
+}
+
 // One element of the weight, for the columns past the last whole vector.
 float Element(const Weight& w, int64_t row, int64_t col) {
   const int64_t run = row / kRun, i = row % kRun;
@@ -344,8 +459,18 @@ void TailColumns(const Problem& p, int64_t col, int64_t end) {
   }
 }
 
-// Columns [item * block, ...) of every row of y.
+// Item `item`: runs [item * item_runs, ...) of a streamed call (into y for the
+// first, else into its partial sums), or columns [item * block, ...) of every
+// row of y.
 void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
+  if (p.stream) {
+    const int64_t run0 = item * p.item_runs;
+    const int64_t run1 = std::min(p.w.k / kRun, run0 + p.item_runs);
+    float* dst = item == 0 ? p.y : p.partials + (item - 1) * p.vector_end;
+    out.resize(static_cast<size_t>(2 * std::min(p.vector_end, kStreamCols)));
+    StreamFor(p.w.b0, p.w.b1)(p, run0, run1, 0, p.vector_end, dst, out.data());
+    return;
+  }
   const Passes& passes = *PassesFor(p.w.b0, p.w.b1);
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
   const int64_t vector_end = col + (end - col) / kLanes * kLanes;
@@ -366,6 +491,7 @@ struct Work {
   Problem problem;
   std::vector<float> xs;
   std::vector<int64_t> starts;
+  std::vector<float> partials;
   int64_t total = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -492,14 +618,26 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // so a small call runs on the calling thread alone.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const bool parallel = workers > 1 && w.k * w.n * (p.rows + 2) >= kParallelWork;
-  // About four blocks per worker, of whole vectors; a block of 128 columns or
-  // more is a multiple of 128 (whole 64-byte lines of 4-bit codes), at most
-  // kMaxBlock.
-  int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
-  block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
-                       : (block + kLanes - 1) / kLanes * kLanes;
-  p.block = parallel ? block : std::min<int64_t>(kMaxBlock, (w.n + kLanes - 1) / kLanes * kLanes);
-  work->total = (w.n + p.block - 1) / p.block;
+  // A lone row of x whose plane rows are short reads them one after another
+  // (Stream), split over workers by runs; otherwise about four column blocks
+  // per worker, of whole vectors, a block of 128 columns or more a multiple of
+  // 128 (whole 64-byte lines of 4-bit codes), at most kMaxBlock.
+  p.stream = p.rows == 1 && w.n * w.b0 / 8 <= kStreamRowBytes;
+  if (p.stream) {
+    const int64_t runs = w.k / kRun;
+    p.vector_end = w.n / kLanes * kLanes;
+    p.item_runs = (runs + (parallel ? 2 * workers : 1) - 1) / (parallel ? 2 * workers : 1);
+    work->total = (runs + p.item_runs - 1) / p.item_runs;
+    work->partials.resize(static_cast<size_t>((work->total - 1) * p.vector_end));
+    p.partials = work->partials.data();
+  } else {
+    int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
+    block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
+                         : (block + kLanes - 1) / kLanes * kLanes;
+    p.block =
+        parallel ? block : std::min<int64_t>(kMaxBlock, (w.n + kLanes - 1) / kLanes * kLanes);
+    work->total = (w.n + p.block - 1) / p.block;
+  }
   const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
@@ -507,6 +645,13 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int spin = 0; spin < kSpins && work->done.load() != work->total; ++spin) Pause();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+  if (p.stream) {
+    for (int64_t i = 0; i + 1 < work->total; ++i) {
+      const float* part = p.partials + i * p.vector_end;
+      for (int64_t c = 0; c < p.vector_end; ++c) p.y[c] += part[c];
+    }
+    if (p.vector_end < w.n) TailColumns(p, p.vector_end, w.n);
+  }
   return ffi::Error::Success();
 }
 

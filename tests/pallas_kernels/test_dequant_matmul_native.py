@@ -56,6 +56,18 @@ def test_matches_reference(qtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+def test_calls_spread_over_the_thread_pool(qtype):
+    # Past ~2M multiply-adds a call is split over the pool: one row by ranges of runs (partial
+    # sums added at the end), several rows by blocks of columns; 1000 = 62 vectors + 8 columns.
+    k, out = 1024, 1000
+    w = from_gguf(gguf_bytes(qtype, out, k), qtype, k).to_device()
+    for num_tokens in (1, 7):
+        x = tokens(num_tokens, k, seed=num_tokens)
+        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "qtypes",
     [(T.Q4_K, T.Q6_K, T.Q4_K), (T.Q5_0, T.Q8_0, T.Q5_0), (T.Q4_1, T.Q4_0, T.Q8_0)],
