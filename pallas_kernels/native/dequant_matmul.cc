@@ -46,7 +46,7 @@ constexpr int kLanes = 16;    // floats per vector (one AVX-512 register)
 constexpr int kRun = 32;      // codes per packed run along `in`
 constexpr int kHalf = 16;     // the finest group the kernel reads (k-quants' sub-blocks)
 constexpr int kMaxBlock = 1024;  // output columns per work item at most
-constexpr int kMaxRows = 8;   // rows of x per pass
+constexpr int kMaxRows = 8;   // rows of x per pass at most
 constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
 // A lone row of x streams plane rows of up to kStreamRowBytes (a page: longer
 // rows live in pages of their own, which the column blocks read well), in
@@ -224,62 +224,65 @@ inline IVec Field(IVec bytes, int shift, int width) {
 // (every 4 * b rows of a run are that many sequential streams); the output
 // rows live in `out` [Rows, end - col] meanwhile. B0 and B1 are the bit planes'
 // widths (B1 = 0: one plane); byte j of a plane's run holds codes j + s * 4 * b
-// at bit s * b. Each half run's sum is split over Chains accumulators per row
-// so that the FMAs' latency is hidden when there are few rows.
-template <int B0, int B1, int Rows>
+// at bit s * b. Fine: the groups are half runs (16 rows), each with its own
+// sums; else a run's codes share one sum per row. With few rows the sums are
+// split over kChains accumulators so that the FMAs' latency is hidden.
+template <int B0, int B1, int Rows, bool Fine>
 void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
-  constexpr int kChains = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+  constexpr int kHalves = Fine ? 2 : 1;
+  constexpr int kChains = Rows * kHalves >= 8 ? 1 : 8 / (Rows * kHalves);
   const Weight& w = p.w;
   const int64_t width = end - col, halves = w.k / kHalf;
-  const bool fine = w.fine < kRun;
   const float* x = p.x + r0 * w.k;
   const float* xs = p.xs + r0 * halves;
   std::fill(out, out + Rows * width, 0.0f);
   for (int64_t run = 0; run < w.k / kRun; ++run) {
     const int64_t row = run * kRun;
-    Vec xb[kRun][Rows];  // the run's x, broadcast
-    for (int i = 0; i < kRun; ++i)
-      for (int r = 0; r < Rows; ++r) xb[i][r] = Splat(x[r * w.k + row + i]);
     const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
     for (int64_t c = 0; c < width; c += kLanes) {
       Vec s[2], o[2];
       Factors(w, g0, col + c, s[0], o[0]);
-      if (fine) Factors(w, g1, col + c, s[1], o[1]);
-      IVec lo[kRows0], hi[kRows1];
-#pragma GCC unroll 32
-      for (int j = 0; j < kRows0; ++j) lo[j] = LoadU8(w.p0 + (run * kRows0 + j) * w.n + col + c);
+      if constexpr (Fine) Factors(w, g1, col + c, s[1], o[1]);
+      IVec hi[kRows1];
       if constexpr (B1 != 0) {
 #pragma GCC unroll 16
         for (int j = 0; j < kRows1; ++j)
           hi[j] = LoadU8(w.p1 + (run * kRows1 + j) * w.n + col + c);
       }
-      Vec acc[2][kChains][Rows];
-      for (int h = 0; h < 2; ++h)
+      Vec acc[kHalves][kChains][Rows];
+      for (int h = 0; h < kHalves; ++h)
         for (int k = 0; k < kChains; ++k)
           for (int r = 0; r < Rows; ++r) acc[h][k][r] = Vec{};
+      // Plane 0 row by row, each byte's codes used at once (few registers held).
 #pragma GCC unroll 32
-      for (int i = 0; i < kRun; ++i) {
-        IVec q = Field(lo[i % kRows0], (i / kRows0) * B0, B0);
-        if constexpr (B1 != 0) q |= Field(hi[i % kRows1], (i / kRows1) * B1, B1) << B0;
-        const Vec qf = ToFloat(q);
-#pragma GCC unroll 8
-        for (int r = 0; r < Rows; ++r) acc[i / kHalf][i % kChains][r] += xb[i][r] * qf;
+      for (int j = 0; j < kRows0; ++j) {
+        const IVec bytes = LoadU8(w.p0 + (run * kRows0 + j) * w.n + col + c);
+#pragma GCC unroll 4
+        for (int f = 0; f < 8 / B0; ++f) {
+          const int i = j + f * kRows0;
+          IVec q = Field(bytes, f * B0, B0);
+          if constexpr (B1 != 0) q |= Field(hi[i % kRows1], (i / kRows1) * B1, B1) << B0;
+          const Vec qf = ToFloat(q);
+#pragma GCC unroll 16
+          for (int r = 0; r < Rows; ++r)
+            acc[Fine ? i / kHalf : 0][i % kChains][r] += Splat(x[r * w.k + row + i]) * qf;
+        }
       }
       for (int r = 0; r < Rows; ++r) {
-        Vec a0 = acc[0][0][r], a1 = acc[1][0][r];
-        for (int k = 1; k < kChains; ++k) {
-          a0 += acc[0][k][r];
-          a1 += acc[1][k][r];
+        Vec a[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+          a[h] = acc[h][0][r];
+          for (int k = 1; k < kChains; ++k) a[h] += acc[h][k][r];
         }
         const float x0 = xs[r * halves + 2 * run], x1 = xs[r * halves + 2 * run + 1];
         float* dst = out + r * width + c;
         Vec y = Load(dst);
-        if (fine) {
-          y += a0 * s[0] + a1 * s[1];
+        if constexpr (Fine) {
+          y += a[0] * s[0] + a[1] * s[1];
           if (w.offset) y -= o[0] * x0 + o[1] * x1;
         } else {
-          y += (a0 + a1) * s[0];
+          y += a[0] * s[0];
           if (w.offset) y -= o[0] * (x0 + x1);
         }
         Store(dst, y);
@@ -292,15 +295,20 @@ void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restr
 
 using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
 
-// The passes of one bit layout, by rows of x: 1 to kMaxRows.
+// The passes of one bit layout by rows of x (1, 2, 4, 8), for groups of half
+// runs and of whole runs: a call runs the largest that fits its rows left (16
+// rows in one pass spilled registers and ran at 60% of two passes of 8).
 struct Passes {
-  PassFn rows[kMaxRows];
+  PassFn fine[4];
+  PassFn whole[4];
 };
 
 template <int B0, int B1>
 Passes MakePasses() {
-  return Passes{{Pass<B0, B1, 1>, Pass<B0, B1, 2>, Pass<B0, B1, 3>, Pass<B0, B1, 4>,
-                 Pass<B0, B1, 5>, Pass<B0, B1, 6>, Pass<B0, B1, 7>, Pass<B0, B1, 8>}};
+  return Passes{{Pass<B0, B1, 1, true>, Pass<B0, B1, 2, true>, Pass<B0, B1, 4, true>,
+                 Pass<B0, B1, 8, true>},
+                {Pass<B0, B1, 1, false>, Pass<B0, B1, 2, false>, Pass<B0, B1, 4, false>,
+                 Pass<B0, B1, 8, false>}};
 }
 
 // The passes for planes of b0 and b1 bits (b1 = 0: one plane), or nullptr.
@@ -475,11 +483,12 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
   const int64_t vector_end = col + (end - col) / kLanes * kLanes;
   out.resize(static_cast<size_t>(kMaxRows * p.block));
-  if (vector_end > col) {
-    for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - r0));
-      passes.rows[rows - 1](p, col, vector_end, r0, out.data());
-    }
+  const bool fine = p.w.fine < kRun;
+  for (int64_t r0 = 0; r0 < p.rows && vector_end > col;) {
+    int pick = 3;  // 8 rows
+    while ((int64_t{1} << pick) > p.rows - r0) --pick;
+    (fine ? passes.fine : passes.whole)[pick](p, col, vector_end, r0, out.data());
+    r0 += int64_t{1} << pick;
   }
   if (vector_end < end) TailColumns(p, vector_end, end);
 }
