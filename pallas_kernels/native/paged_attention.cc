@@ -27,6 +27,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -121,6 +125,33 @@ const float* Fp8Table() {
   return table.data();
 }
 
+// Sixteen e4m3fn values as floats, with integer lane operations only: a normal
+// value's exponent and mantissa bits move into a float's and the exponent bias
+// grows by 120; a subnormal one is m * 2^-9; 0x7f is NaN (e4m3fn has no inf).
+inline Vec Fp8ToFloat(const uint8_t* src) {
+#if defined(__AVX512F__)
+  IVec x;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m512i widened = _mm512_cvtepu8_epi32(bytes);
+  std::memcpy(&x, &widened, sizeof x);
+#else
+  IVec x;
+  for (int i = 0; i < kLanes; ++i) x[i] = src[i];
+#endif
+  const IVec magnitude = x & 0x7f;
+  const IVec bits = (magnitude << 20) + (120 << 23);
+  Vec value;
+  std::memcpy(&value, &bits, sizeof value);
+  const Vec subnormal = __builtin_convertvector(magnitude & 0x7, Vec) * (1.0f / 512);
+  value = (magnitude >> 3) == 0 ? subnormal : value;
+  value = magnitude == 0x7f ? Splat(std::numeric_limits<float>::quiet_NaN()) : value;
+  IVec with_sign;
+  std::memcpy(&with_sign, &value, sizeof with_sign);
+  with_sign |= (x & 0x80) << 24;
+  std::memcpy(&value, &with_sign, sizeof value);
+  return value;
+}
+
 // Everything one call needs; rows of the caches are addressed by their index
 // over [num_layers, num_pages, page_size, num_kv_heads] (times head_dim).
 struct Problem {
@@ -167,8 +198,8 @@ struct Scratch {
 
 // Cache row `row` converted to float32 (times its scale, when the cache has
 // scales) into `buffer`, whose pad past head_dim stays zero.
-const float* ConvertRow(const Problem& p, const uint8_t* cache, const float* scales, int64_t row,
-                       float* buffer) {
+inline const float* ConvertRow(const Problem& p, const uint8_t* cache, const float* scales,
+                              int64_t row, float* buffer) {
   const int64_t d = p.head_dim;
   const int64_t first = row * d;
   const float scale = scales ? scales[row] : 1.0f;
@@ -195,8 +226,10 @@ const float* ConvertRow(const Problem& p, const uint8_t* cache, const float* sca
     }
     default: {  // F8E4M3FN, checked by the handler
       const uint8_t* src = cache + first;
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes) Store(buffer + i, Fp8ToFloat(src + i) * scale);
       const float* table = Fp8Table();
-      for (int64_t i = 0; i < d; ++i) buffer[i] = table[src[i]] * scale;
+      for (; i < d; ++i) buffer[i] = table[src[i]] * scale;
       break;
     }
   }
@@ -259,8 +292,9 @@ inline Vec FoldLanes(Vec a, Vec b) {
 }
 
 // scores[r], lane b: q row r . k_rows[b], for R query rows (padded_dim apart)
-// and a block of kBlock keys (DP: padded_dim when fixed at compile time, else 0). Each key's products stay a vector until one
-// transpose-and-add tree sums all sixteen at once; the rows share every K load.
+// and a block of kBlock keys (DP: padded_dim when fixed at compile time, else
+// 0). Each key's products stay a vector until one transpose-and-add tree sums
+// all sixteen at once; the rows share every K load.
 template <int R, int DP>
 void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime, Vec* scores) {
   static_assert(kBlock == kLanes, "one score per lane");
@@ -562,7 +596,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   work->problem = p;
   work->total = per_head * p.head_runs;
   if (work->total == 0 || p.head_dim == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(threads, work->total - 1);
+  // The calling thread works too, so the pool lends one thread fewer than it has: as many
+  // workers as threads (the calling thread is not one of the pool's).
+  const int64_t helpers = std::min<int64_t>(threads - 1, work->total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   std::unique_lock<std::mutex> lock(work->mutex);

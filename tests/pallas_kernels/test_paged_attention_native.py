@@ -125,6 +125,20 @@ def test_fp8_cache_with_row_scales(shape, window, soft_cap):
 
 
 @needs_kernel
+def test_every_fp8_code_reads_as_its_value():
+    # Sequence s sees one key (weight 1): its output is its V row, codes 16 s .. 16 s + 15.
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 1, 1, 1, 16).view(jnp.float8_e4m3fn)
+    v_cache = jnp.swapaxes(codes, 0, 1)  # [1 layer, 16 pages, page_size 1, 1 KV head, 16]
+    out = native.paged_attention(
+        jnp.zeros((16, 1, 1, 16)), jnp.zeros_like(v_cache), v_cache, jnp.int32(0),
+        jnp.zeros((16, 1), jnp.int32), jnp.arange(16, dtype=jnp.int32)[:, None],
+        jnp.ones(16, jnp.int32), scale=1.0,
+    )  # fmt: skip
+    expected = np.asarray(codes.astype(jnp.float32)).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(out).reshape(-1), expected)  # NaN where NaN
+
+
+@needs_kernel
 def test_kv_lens_past_the_page_table_see_only_the_table():
     case = make_case(*DECODE, 4, 2)
     case = dataclasses.replace(
