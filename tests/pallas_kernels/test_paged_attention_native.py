@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +218,20 @@ def test_entry_point_falls_back_to_the_reference(monkeypatch):
         np.asarray(attention(*e5m2, scale=0.25, impl="native")),
         np.asarray(reference.paged_attention(*e5m2, scale=0.25)),
     )
+
+
+def test_switched_off_by_the_environment():
+    # What the fallback above stands in for, as a server sees it: no kernel, so the reference.
+    code = "from pallas_kernels.paged_attention import native; print(native.available())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "RUNTIME_NATIVE_KERNELS": "0"},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == "False"
 
 
 @needs_kernel
