@@ -6,9 +6,10 @@ reference.
 - a ``PackedLayer`` (one layer of a stack; the decoder hands its layer scans' weights over this
   way only where native kernels may run: the CPU backend without a device mesh) goes to the
   native CPU kernel (``native.py``) when it is built, reads the weight's format, and the call has
-  at most ``NATIVE_MAX_TOKENS`` rows: it unpacks the weight in registers instead of writing its
-  float32 matrix, and reads the layer inside the stack, so nothing is copied per layer. Longer
-  calls (prefill chunks) run the reference, whose one large dot is faster there;
+  at most ``NATIVE_MAX_TOKENS`` rows (``NATIVE_MAX_TOKENS_LARGE`` for a matrix too large to stay
+  in cache): it unpacks the weight in registers instead of writing its float32 matrix, and
+  reads the layer inside the stack, so nothing is copied per layer. Longer calls (prefill
+  chunks, 16-sequence decode) run the reference, whose dot is faster there;
 - otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
   elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
   GPU (``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a
@@ -30,9 +31,14 @@ from pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
 
 IMPLS = ("auto", "native", "pallas", "reference")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a GPU run of the kernel is recorded
-# Rows up to which the native kernel beats the reference on CPU (tools/bench_decode_step.py,
-# BENCHMARKS.md "Native dequant-matmul"); past it the reference's dot wins.
-NATIVE_MAX_TOKENS = 16
+# Rows up to which the native kernel beats the reference on CPU (BENCHMARKS.md, "Native
+# dequant-matmul"). The reference writes the weight's float32 matrix and then runs one dot: a
+# matrix that stays in cache (SmolLM2's projections, up to 3.5 MB) is cheap to read again, and
+# past 8 rows XLA's dot outruns the kernel's multiply-adds; a large one (the 113 MB LM head)
+# costs the reference a trip through memory, and the kernel stays ahead up to 128 rows.
+NATIVE_MAX_TOKENS = 8
+NATIVE_MAX_TOKENS_LARGE = 128
+LARGE_MATRIX_BYTES = 16 * 2**20  # float32 bytes of a matrix that no longer stays in cache
 
 
 def dequant_matmul(
@@ -65,9 +71,11 @@ def dequant_matmul(
 def _native_runs(x: jax.Array, w: PackedWeight | PackedLayer, backend: str) -> bool:
     """Whether the native kernel takes this call (see the module docstring)."""
     stack = w.stack if isinstance(w, PackedLayer) else w
+    k, n = w.shape[-2:]
+    large = k * n * 4 > LARGE_MATRIX_BYTES
     return (
         backend == "cpu"
-        and x.shape[0] <= NATIVE_MAX_TOKENS
+        and x.shape[0] <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
         and native.supports(x, stack)
         and native.available()
     )

@@ -143,7 +143,7 @@ def test_supports_and_rejects():
 
 
 @needs_kernel
-def test_ops_dispatch():
+def test_ops_dispatch(monkeypatch):
     stacked = stack([host_weight(T.Q6_K, seed=i) for i in range(2)]).to_device()
     layer = PackedLayer(stacked, jnp.int32(1))
     matrix = layer.matrix()
@@ -157,6 +157,12 @@ def test_ops_dispatch():
         np.testing.assert_array_equal(
             np.asarray(ops.dequant_matmul(x, w)), np.asarray(reference.dequant_matmul(x, matrix))
         )
+    # A matrix too large to stay in cache keeps the kernel up to NATIVE_MAX_TOKENS_LARGE rows.
+    monkeypatch.setattr(ops, "LARGE_MATRIX_BYTES", 0)
+    np.testing.assert_array_equal(
+        np.asarray(ops.dequant_matmul(large, layer)),
+        np.asarray(run_native(large, stacked, 1)),
+    )
 
 
 def test_falls_back_to_the_reference_without_the_library(monkeypatch):
