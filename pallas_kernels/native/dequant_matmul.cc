@@ -14,10 +14,13 @@
 // run) to the output rows and subtracts the offset times the sums of x, which
 // are computed once per call.
 //
-// Work items are blocks of output columns, taken from one atomic counter by the
-// calling thread and all but one of XLA's CPU pool threads (as many workers as
-// cores). A block runs up to kMaxRows rows of x at a time, all of `in`, with
-// its accumulators in registers.
+// Work items are taken from one atomic counter by the calling thread and all
+// but one of XLA's CPU pool threads (as many workers as cores). Usually they
+// are blocks of output columns, each running up to kMaxRows rows of x at a
+// time over all of `in` with its accumulators in registers (Pass). A lone row
+// of x whose plane rows are short (single-stream decode) reads them whole, one
+// after another, instead, and its items are ranges of runs (Stream): reading
+// a run's rows side by side streams from memory at a third of the rate.
 //
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
@@ -377,7 +380,7 @@ template <int B0, int B1>
 void StreamChunk(const Problem& p, int64_t run0, int64_t run1, int64_t c0, int64_t c1,
                  float* __restrict out, float* __restrict acc) {
   const Weight& w = p.w;
-  const int64_t width = c1 - c0, halves = w.k / kHalf;
+  const int64_t width = c1 - c0;
   const bool fine = w.fine < kRun;
   float* acc0 = acc - c0;  // indexed by column
   float* acc1 = fine ? acc0 + width : acc0;
@@ -404,7 +407,6 @@ void StreamChunk(const Problem& p, int64_t run0, int64_t run1, int64_t c0, int64
       Store(out + c, y);
     }
   }
-  (void)halves;
 }
 
 // Stream's columns in chunks of at most kStreamCols, so that the per-column
