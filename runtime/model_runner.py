@@ -92,7 +92,9 @@ class ModelRunner:
         # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
-            n: jax.device_put(np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), replicated)
+            n: jax.device_put(
+                np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), replicated
+            )
             for n in {1, *plan.decode_seqs}
         }
         # Multi-node (runtime.multihost): sees each device call before it runs, on process 0.
