@@ -213,7 +213,7 @@ class Leader:
                     pass  # that follower is gone already
 
 
-def follow(cluster: ClusterConfig, engine: Any, timeout_s: float = 300) -> None:
+def follow(cluster: ClusterConfig, engine: Any) -> None:
     """A follower's life: join the schedule channel, compile, and replay the leader's calls until
     it says stop. Raises ClusterError when the leader goes away without saying it."""
     port, key = _share_address(0, bytes(_KEY_BYTES))
@@ -230,6 +230,8 @@ def follow(cluster: ClusterConfig, engine: Any, timeout_s: float = 300) -> None:
     try:
         while True:
             try:
+                # Only rank 0 can send here: the connection passed the HMAC challenge of
+                # the key broadcast through JAX, so unpickling its messages is safe.
                 target, method, args = pickle.loads(connection.recv_bytes())
             except (EOFError, OSError) as exc:
                 raise ClusterError(

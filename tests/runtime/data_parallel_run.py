@@ -4,15 +4,14 @@ JSON line, each one's greedy tokens and, per replica, the steps it ran and its c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 
 from runtime.builder import build_engine
 from runtime.config import EngineConfig
 from runtime.data_parallel import DataParallelEngine
-from runtime.request import SamplingParams
 from runtime.sharding import device_bytes
+from tests.runtime.tensor_parallel_run import greedy_tokens
 
 PROMPTS = [[1, 5, 9, 13, 200], [7, 7, 7], list(range(40, 75)), [3, 1, 4, 1, 5, 9, 2, 6]]
 
@@ -30,18 +29,7 @@ def run(folder: str, dp: int, tp: int) -> dict:
     engine = build_engine(config)
     engine.start()
     try:
-
-        async def all_prompts() -> list[list[int]]:
-            async def one(i: int, ids: list[int]) -> list[int]:
-                out: list[int] = []
-                sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-                async for delta in engine.generate(ids, sampling, f"dp{dp}-{i}"):
-                    out += delta.token_ids
-                return out
-
-            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(PROMPTS)))
-
-        tokens = asyncio.run(all_prompts())
+        tokens = greedy_tokens(engine, PROMPTS, f"dp{dp}")
         replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
         steps = [replica.num_steps for replica in replicas]
         devices = [sorted(d.id for d in device_bytes(r.runner.cache)) for r in replicas]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import Any
 
 import jax
 
@@ -21,6 +22,22 @@ from runtime.request import SamplingParams
 from runtime.sharding import device_bytes
 
 PROMPTS = [[1, 5, 9, 13, 200], [7, 7, 7], list(range(40, 75))]
+
+
+def greedy_tokens(engine: Any, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    """12 greedy tokens (EOS ignored) for each prompt, all submitted at once so they batch."""
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        out: list[int] = []
+        sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        async for delta in engine.generate(ids, sampling, f"{tag}-{i}"):
+            out += delta.token_ids
+        return out
+
+    async def every() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+
+    return asyncio.run(every())
 
 
 def run(folder: str, size: int, extra: dict) -> dict:
@@ -37,18 +54,7 @@ def run(folder: str, size: int, extra: dict) -> dict:
     )
     engine.start()
     try:
-
-        async def all_prompts() -> list[list[int]]:
-            async def one(i: int, ids: list[int]) -> list[int]:
-                out: list[int] = []
-                sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-                async for delta in engine.generate(ids, sampling, f"tp{size}-{i}"):
-                    out += delta.token_ids
-                return out
-
-            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(PROMPTS)))
-
-        tokens = asyncio.run(all_prompts())
+        tokens = greedy_tokens(engine, PROMPTS, f"tp{size}")
         weights = device_bytes(engine.runner.weights)
         layers = device_bytes(engine.runner.weights["segments"])
         expert_stacks = [
