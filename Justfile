@@ -4,8 +4,7 @@ venv := ".venv"
 py := venv / "bin/python"
 stamp := venv / ".installed"
 
-# Create .venv and install the package with its dev extra (skipped when nothing changed); as root,
-# also Debian's chromium for the web UI's browser tests when it is missing.
+# Create .venv and install the package with its dev extra (skipped when nothing changed).
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -17,13 +16,18 @@ setup:
         {{py}} -m pip install -q -e ".[dev]"
         touch {{stamp}}
     fi
+
+# As root, install Debian's chromium for the web UI's browser tests when it is missing.
+browser:
+    #!/usr/bin/env bash
+    set -euo pipefail
     # Playwright drives Debian's chromium: its own browser download is not reachable here.
     if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "setup: installing chromium (apt-get) for the web UI tests" >&2
+        echo "browser: installing chromium (apt-get) for the web UI tests" >&2
         log="$(mktemp)"
         if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$log" 2>&1; then
             tail -n 20 "$log" >&2
-            echo "setup: chromium could not be installed; the web UI tests will fail" >&2
+            echo "browser: chromium could not be installed; the web UI tests will fail" >&2
         fi
         rm -f "$log"
     fi
@@ -33,7 +37,7 @@ serve *ARGS: setup
     {{venv}}/bin/runtime-serve {{ARGS}}
 
 # Run the test suite (all tests, slow and e2e included).
-test *ARGS: setup
+test *ARGS: setup browser
     {{venv}}/bin/pytest {{ARGS}}
 
 # The soak test alone, printing its figures: 300 requests at concurrency 32 with forced preemption
@@ -42,7 +46,7 @@ soak: setup
     {{venv}}/bin/pytest -s tests/e2e/test_soak.py
 
 # Retake docs/ui.png, the README's picture of the web UI, with its browser test.
-ui-screenshot: setup
+ui-screenshot: setup browser
     UI_SCREENSHOT=docs/ui.png {{venv}}/bin/pytest -q tests/e2e/test_web_ui.py -k screenshot
 
 # Lint and check formatting.

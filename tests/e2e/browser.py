@@ -1,8 +1,8 @@
 """Headless Chromium for the web UI tests: Debian's ``chromium`` driven by Playwright.
 
-Playwright's own browser download is not used (machines here reach no browser host); `just setup`
-installs Debian's package when it is missing. A machine without it fails these tests with a
-message saying so, unless ``RUNTIME_SKIP_BROWSER_TESTS=1`` opts out explicitly (then they skip).
+Playwright's own browser download is not used (machines here reach no browser host); `just test`
+(its `browser` recipe) installs Debian's package when it is missing. A machine without it fails
+these tests with a message saying so, unless ``RUNTIME_SKIP_BROWSER_TESTS=1`` opts out explicitly (then they skip).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def chromium_path() -> str:
     if path:
         return path
     message = (
-        "the web UI tests need Debian's chromium: run `just setup` as root (it installs the "
+        "the web UI tests need Debian's chromium: run `just browser` as root (it installs the "
         "package) or `apt-get install chromium`, or name a binary in $RUNTIME_CHROMIUM"
     )
     if os.environ.get(SKIP_ENV) == "1":
