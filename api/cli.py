@@ -201,7 +201,9 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "= activations rounded to bfloat16, products summed in float32, except when one "
         "sequence decodes alone: about 1.5x faster prefill and batched decode on CPUs with "
         "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
-        "batched with (default: %(default)s)",
+        "batched with; int8 = activations rounded to int8 blocks of 32 as llama.cpp rounds "
+        "them, multiplied with integer (VNNI) dots by the native CPU kernel, same exception "
+        "(default: %(default)s)",
     )
     add(
         "--fp8-kvcache",

@@ -412,7 +412,8 @@ def lm_head(
     head = weights.get("lm_head")
     bias = weights["lm_head_b"] if cfg.lm_head_bias else None
     if isinstance(head, PackedWeight):
-        logits = dequant_matmul(h, head, impl="native")
+        int8 = cfg.operand_dtype == "int8" and h.size != h.shape[-1]
+        logits = dequant_matmul(h, head, impl="native", int8_activations=int8)
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
     elif cfg.tie_word_embeddings:

@@ -11,7 +11,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GGUF block types (the same packed weights a GGUF file of that type gives) and per-channel int8.
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8*: e4m3 + row scales
-MATMUL_DTYPES = ("auto", "bfloat16")  # quantized projections' operands; auto: the model dtype
+MATMUL_DTYPES = (
+    "auto",
+    "bfloat16",
+    "int8",
+)  # quantized projections' operands; auto: the model dtype
 DEFAULT_MAX_WAITING = 256
 
 
@@ -35,7 +39,9 @@ class EngineConfig:
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
     token and KV head; "auto" stores them in the model dtype. matmul_dtype "bfloat16" multiplies
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
-    models.layers.linear); "auto" multiplies in the model dtype.
+    models.layers.linear); "int8" rounds their activations to int8 blocks of 32 (llama.cpp's
+    rounding) and multiplies with integer dots in the native CPU kernel; "auto" multiplies in the
+    model dtype.
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.

@@ -7,7 +7,7 @@ scored. The text is the pinned GNU GPL v3 terms (found in numpy's bundled licenc
 /usr/share/common-licenses/GPL-3, checked by SHA-256) unless `--text-file` names another; it is
 written to `--write-text` (default: the runtime cache) so llama-perplexity reads the same bytes.
 
-`--model-id`, `--dtype` and `--isq` mean what they mean for runtime-serve: a GGUF's quantized
+`--model-id`, `--dtype`, `--isq` and `--matmul-dtype` mean what they mean for runtime-serve: a GGUF's quantized
 tensors stay packed and run as stored, and `--isq` quantizes every projection to its type (a
 packed one from its dequantized values). `--dequantize` loads the quantized tensors as `--dtype`
 floats instead. With `--peer`,
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.config import DEFAULT_MODEL_ID, DTYPES, EngineConfig
+from runtime.config import DEFAULT_MODEL_ID, DTYPES, MATMUL_DTYPES, EngineConfig
 from runtime.perplexity import (
     REFERENCE_TEXT_NAME,
     ChunkScorer,
@@ -67,6 +67,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-file", default=None, help="the .gguf file inside a folder or repo")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--isq", default=None, help="in-situ quantization type, as for runtime-serve")
+    p.add_argument(
+        "--matmul-dtype",
+        default="auto",
+        choices=MATMUL_DTYPES,
+        help="operands of the quantized projections, as for runtime-serve",
+    )
     p.add_argument(
         "--dequantize",
         action="store_true",
@@ -167,7 +173,11 @@ def _progress(index: int, running: float) -> None:
 
 def _ours(args: argparse.Namespace, text: str) -> tuple[dict, LoadedModel]:
     config = EngineConfig(
-        model_id=args.model_id, weight_file=args.weight_file, dtype=args.dtype, isq=args.isq
+        model_id=args.model_id,
+        weight_file=args.weight_file,
+        dtype=args.dtype,
+        isq=args.isq,
+        matmul_dtype=args.matmul_dtype,
     )
     check_ctx(args.ctx_size)
     start = time.perf_counter()

@@ -22,6 +22,12 @@ logits by ~1%, so a request's tokens may then depend on what it is batched with.
 and the rounding made a served single-stream step ~25% slower. None (the default) multiplies in
 the activations' own dtype everywhere, which keeps every request's tokens independent of its
 batch.
+
+"int8" rounds the activations to int8 blocks of 32 values with one float32 scale each
+(``reference.quantize_activations``, llama.cpp's rounding for its quantized dot products), again
+except a single row. Packed weights then multiply in the native CPU kernel's integer dots (VNNI)
+for any number of rows, and the packed LM head too; elsewhere (other backends, ``QuantizedWeight``)
+the rounded values multiply in float32, which gives the same numbers more slowly.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels.dequant_matmul import PackedLayer, PackedWeight, dequant_matmul, dequantize
-from pallas_kernels.dequant_matmul.reference import operand_dot
+from pallas_kernels.dequant_matmul.reference import operand_dot, quantize_activations
 
-OPERAND_DTYPES = (None, "bfloat16")
+OPERAND_DTYPES = (None, "bfloat16", "int8")
 
 
 @struct.dataclass
@@ -68,7 +74,10 @@ def linear(
     """x @ weight (+ bias), summed in float32 whatever the storage dtype; quantized weights
     round x to their ``operand_dtype`` first."""
     if isinstance(weight, (PackedWeight, PackedLayer)):
-        y = dequant_matmul(_operands(x, weight.operand_dtype), weight)
+        int8 = weight.operand_dtype == "int8" and x.size != x.shape[-1]
+        y = dequant_matmul(
+            x if int8 else _operands(x, weight.operand_dtype), weight, int8_activations=int8
+        )
     elif isinstance(weight, QuantizedWeight):
         flat = _operands(x.reshape(-1, x.shape[-1]), weight.operand_dtype)
         y = operand_dot(flat, weight.q).reshape(*x.shape[:-1], -1)  # int8 is exact in bf16
@@ -87,6 +96,8 @@ def _operands(x: jax.Array, operand_dtype: str | None) -> jax.Array:
     docstring)."""
     if operand_dtype is None or x.size == x.shape[-1]:
         return x
+    if operand_dtype == "int8":
+        return quantize_activations(x)
     return x.astype(operand_dtype)
 
 

@@ -15,6 +15,10 @@ reference.
   GPU (``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a
   quantized model must not stop serving on a kernel nobody has run there.
 
+With ``int8_activations`` (``--matmul-dtype int8``) the native kernel takes a call at any
+number of rows (its integer dots outrun XLA's float dot there too); every other path multiplies
+``reference.quantize_activations(x)``, the same rounded values, in float32.
+
 ``impl="native"`` applies the native kernel's rule above to a plain ``PackedWeight`` as well
 (the LM head, outside the layer scan); ``impl="pallas"`` always runs the Pallas kernel
 (interpreted on CPU); ``impl="reference"`` the reference. On XLA:CPU the reference is the fastest
@@ -46,20 +50,22 @@ def dequant_matmul(
     w: PackedWeight | PackedLayer,  # [in, out]
     *,
     impl: str = "auto",
+    int8_activations: bool = False,
 ) -> jax.Array:  # [..., out] float32
-    """``x @ dequantize(w)`` accumulated in float32, on the chosen implementation."""
+    """``x @ dequantize(w)`` accumulated in float32, on the chosen implementation; with
+    ``int8_activations``, ``reference.quantize_activations(x) @ dequantize(w)``."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     backend = jax.default_backend()
     wants_native = impl == "native" or (impl == "auto" and isinstance(w, PackedLayer))
-    if wants_native and _native_runs(flat, w, backend):
-        if isinstance(w, PackedLayer):
-            out = native.dequant_matmul(flat, w.stack, w.index)
-        else:
-            out = native.dequant_matmul(flat, w)
+    if wants_native and _native_runs(flat, w, backend, int8_activations):
+        stack, index = (w.stack, w.index) if isinstance(w, PackedLayer) else (w, None)
+        out = native.dequant_matmul(flat, stack, index, int8_activations=int8_activations)
     else:
+        if int8_activations:
+            flat = reference.quantize_activations(flat)
         matrix = w.matrix() if isinstance(w, PackedLayer) else w
         if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
             out = kernel.dequant_matmul(flat, matrix, interpret=backend == "cpu")
@@ -68,14 +74,19 @@ def dequant_matmul(
     return out.reshape(*lead, out.shape[-1])
 
 
-def _native_runs(x: jax.Array, w: PackedWeight | PackedLayer, backend: str) -> bool:
+def _native_runs(
+    x: jax.Array, w: PackedWeight | PackedLayer, backend: str, int8_activations: bool
+) -> bool:
     """Whether the native kernel takes this call (see the module docstring)."""
     stack = w.stack if isinstance(w, PackedLayer) else w
     k, n = w.shape[-2:]
     large = k * n * 4 > LARGE_MATRIX_BYTES
     return (
         backend == "cpu"
-        and x.shape[0] <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
+        and (
+            int8_activations
+            or x.shape[0] <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
+        )
         and native.supports(x, stack)
         and native.available()
     )

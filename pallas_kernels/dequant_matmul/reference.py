@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dequant_matmul.formats import PackedWeight, evaluate, unpack_planes
+from pallas_kernels.dequant_matmul.formats import RUN, PackedWeight, evaluate, unpack_planes
 
 
 def _validate(x: jax.Array, w: PackedWeight) -> None:
@@ -29,10 +29,31 @@ def dequantize(w: PackedWeight) -> jax.Array:  # float32 [..., in, out]
 def dequant_matmul(
     x: jax.Array,  # [num_tokens, in] float32, bfloat16 or float16
     w: PackedWeight,  # [in, out]
+    *,
+    int8_activations: bool = False,
 ) -> jax.Array:  # [num_tokens, out] float32
-    """``x @ dequantize(w)``: the weight rounded to ``x``'s dtype, summed in float32."""
+    """``x @ dequantize(w)``: the weight rounded to ``x``'s dtype, summed in float32; with
+    ``int8_activations``, ``quantize_activations(x) @ dequantize(w)`` in float32."""
     _validate(x, w)
+    if int8_activations:
+        return operand_dot(quantize_activations(x), dequantize(w))
     return operand_dot(x, dequantize(w))
+
+
+def quantize_activations(x: jax.Array) -> jax.Array:  # float32, x's shape
+    """``x`` rounded to int8 codes with one scale per ``RUN`` (32) values along the last axis,
+    as llama.cpp rounds activations for its quantized dot products (Q8_0), and returned as the
+    float32 values those codes stand for: ``d * q`` with ``d = max|x| / 127`` and ``q = x / d``
+    rounded to nearest, ties to even. A block holding an infinity or NaN comes back all NaN."""
+    *lead, k = x.shape
+    if k % RUN:
+        raise ValueError(f"int8 activations need a multiple of {RUN} features, got {k}")
+    blocks = x.astype(jnp.float32).reshape(*lead, k // RUN, RUN)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    finite = jnp.all(jnp.isfinite(blocks), axis=-1, keepdims=True)
+    d = jnp.where(finite, amax / 127.0, jnp.nan)
+    q = jnp.where(d > 0, jnp.clip(jnp.round(blocks / jnp.where(d > 0, d, 1.0)), -127, 127), 0.0)
+    return (q * d).reshape(x.shape)
 
 
 def operand_dot(

@@ -22,15 +22,25 @@
 // after another, instead, and its items are ranges of runs (Stream): reading
 // a run's rows side by side streams from memory at a third of the rate.
 //
+// With int8 activations (attribute int8_x) each row of x is first rounded to
+// int8 codes with one float32 scale per 32 values (llama.cpp's Q8_0 for
+// activations), and the inner loop is an integer dot: four plane rows are
+// transposed so that each 32-bit lane holds four codes of one column along
+// `in`, and one VNNI instruction (vpdpbusd: unsigned weight codes times signed
+// activation codes) adds 64 products where the float loop adds 16 (PassQ8).
+// A run's integer sums are scaled once per run and row.
+//
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
 // whole stack and no per-layer slice is copied.
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -65,6 +75,7 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint8_t U8x16 __attribute__((vector_size(kLanes)));
 typedef int8_t I8x16 __attribute__((vector_size(kLanes)));
+typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 inline Vec Splat(float x) {
 #if defined(__AVX512F__)
@@ -174,6 +185,9 @@ struct Problem {
   Weight w;
   const float* x = nullptr;   // [rows, k]
   const float* xs = nullptr;  // [rows, k / kHalf]: sums of x over each half run
+  // int8 activations: x's codes and one scale per run (xs then sums the rounded x).
+  const int8_t* xq = nullptr;  // [rows, k]
+  const float* xd = nullptr;   // [rows, k / kRun]
   float* y = nullptr;         // [rows, n]
   int64_t rows = 0;
   int64_t block = 0;  // output columns per work item
@@ -296,6 +310,120 @@ void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restr
     std::memcpy(p.y + (r0 + r) * w.n + col, out + r * width, sizeof(float) * width);
 }
 
+// Four plane rows (row, row + stride, ...) at 16 columns, transposed so that
+// byte t of lane c is row t's byte of column c.
+inline UVec Gather4(const uint8_t* row, int64_t stride) {
+#if defined(__AVX512VBMI__)
+  alignas(64) static const uint8_t kTranspose[64] = {
+      0,  16, 32, 48, 1,  17, 33, 49, 2,  18, 34, 50, 3,  19, 35, 51,
+      4,  20, 36, 52, 5,  21, 37, 53, 6,  22, 38, 54, 7,  23, 39, 55,
+      8,  24, 40, 56, 9,  25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + stride)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * stride)),
+                         2);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * stride)),
+                         3);
+  return reinterpret_cast<UVec>(_mm512_permutexvar_epi8(_mm512_load_si512(kTranspose), v));
+#else
+  const UVec b0 = reinterpret_cast<UVec>(LoadU8(row));
+  const UVec b1 = reinterpret_cast<UVec>(LoadU8(row + stride));
+  const UVec b2 = reinterpret_cast<UVec>(LoadU8(row + 2 * stride));
+  const UVec b3 = reinterpret_cast<UVec>(LoadU8(row + 3 * stride));
+  return b0 | b1 << 8 | b2 << 16 | b3 << 24;
+#endif
+}
+
+// Bits [shift, shift + width) of each of a lane's four bytes.
+inline UVec FieldBytes(UVec v, int shift, int width) {
+  if (shift == 0 && width == 8) return v;
+  const uint32_t mask = ((1u << width) - 1) * 0x01010101u;
+  return (shift ? v >> shift : v) & mask;
+}
+
+// acc + the sums, per lane, of its four unsigned bytes of w times the four
+// signed bytes of x4.
+inline IVec Dot4(IVec acc, UVec w, const int8_t* x4) {
+  int32_t x;
+  std::memcpy(&x, x4, sizeof x);
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<IVec>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
+                                                    reinterpret_cast<__m512i>(w),
+                                                    _mm512_set1_epi32(x)));
+#else
+  for (int t = 0; t < 4; ++t) {
+    const IVec wt = reinterpret_cast<IVec>((w >> (8 * t)) & 0xffu);
+    acc += wt * static_cast<int32_t>(static_cast<int8_t>(x4[t]));
+  }
+  return acc;
+#endif
+}
+
+// Pass with int8 activations: the same loops and output, the codes of four
+// plane rows at a time in each lane (Gather4) and integer dots per half run,
+// scaled by s and the row's scale of the run at the end of each run.
+template <int B0, int B1, int Rows, bool Fine>
+void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
+  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
+  constexpr int kHalves = Fine ? 2 : 1;
+  const Weight& w = p.w;
+  const int64_t width = end - col, halves = w.k / kHalf, runs = w.k / kRun;
+  const int8_t* xq = p.xq + r0 * w.k;
+  const float* xd = p.xd + r0 * runs;
+  const float* xs = p.xs + r0 * halves;
+  std::fill(out, out + Rows * width, 0.0f);
+  for (int64_t run = 0; run < runs; ++run) {
+    const int64_t row = run * kRun;
+    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
+    for (int64_t c = 0; c < width; c += kLanes) {
+      Vec s[2], o[2];
+      Factors(w, g0, col + c, s[0], o[0]);
+      if constexpr (Fine) Factors(w, g1, col + c, s[1], o[1]);
+      UVec hi[B1 ? B1 : 1];
+      if constexpr (B1 != 0) {
+        for (int u = 0; u < B1; ++u)
+          hi[u] = Gather4(w.p1 + (run * kRows1 + 4 * u) * w.n + col + c, w.n);
+      }
+      IVec acc[kHalves][Rows];
+      for (int h = 0; h < kHalves; ++h)
+        for (int r = 0; r < Rows; ++r) acc[h][r] = IVec{};
+#pragma GCC unroll 8
+      for (int j = 0; j < kRows0; j += 4) {
+        const UVec bytes = Gather4(w.p0 + (run * kRows0 + j) * w.n + col + c, w.n);
+#pragma GCC unroll 4
+        for (int f = 0; f < 8 / B0; ++f) {
+          const int i = j + f * kRows0;  // codes i .. i + 3 of the run
+          UVec q = FieldBytes(bytes, f * B0, B0);
+          if constexpr (B1 != 0)
+            q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
+#pragma GCC unroll 8
+          for (int r = 0; r < Rows; ++r) {
+            IVec& a = acc[Fine ? i / kHalf : 0][r];
+            a = Dot4(a, q, xq + r * w.k + row + i);
+          }
+        }
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const float scale = xd[r * runs + run];
+        const float x0 = xs[r * halves + 2 * run], x1 = xs[r * halves + 2 * run + 1];
+        float* dst = out + r * width + c;
+        Vec y = Load(dst);
+        if constexpr (Fine) {
+          y += (ToFloat(acc[0][r]) * s[0] + ToFloat(acc[1][r]) * s[1]) * scale;
+          if (w.offset) y -= o[0] * x0 + o[1] * x1;
+        } else {
+          y += ToFloat(acc[0][r]) * (s[0] * scale);
+          if (w.offset) y -= o[0] * (x0 + x1);
+        }
+        Store(dst, y);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    std::memcpy(p.y + (r0 + r) * w.n + col, out + r * width, sizeof(float) * width);
+}
+
 using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
 
 // The passes of one bit layout by rows of x (1, 2, 4, 8), for groups of half
@@ -304,6 +432,8 @@ using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
 struct Passes {
   PassFn fine[4];
   PassFn whole[4];
+  PassFn fine_q8[4];  // int8 activations
+  PassFn whole_q8[4];
 };
 
 template <int B0, int B1>
@@ -311,7 +441,11 @@ Passes MakePasses() {
   return Passes{{Pass<B0, B1, 1, true>, Pass<B0, B1, 2, true>, Pass<B0, B1, 4, true>,
                  Pass<B0, B1, 8, true>},
                 {Pass<B0, B1, 1, false>, Pass<B0, B1, 2, false>, Pass<B0, B1, 4, false>,
-                 Pass<B0, B1, 8, false>}};
+                 Pass<B0, B1, 8, false>},
+                {PassQ8<B0, B1, 1, true>, PassQ8<B0, B1, 2, true>, PassQ8<B0, B1, 4, true>,
+                 PassQ8<B0, B1, 8, true>},
+                {PassQ8<B0, B1, 1, false>, PassQ8<B0, B1, 2, false>, PassQ8<B0, B1, 4, false>,
+                 PassQ8<B0, B1, 8, false>}};
 }
 
 // The passes for planes of b0 and b1 bits (b1 = 0: one plane), or nullptr.
@@ -463,7 +597,11 @@ void TailColumns(const Problem& p, int64_t col, int64_t end) {
     for (int64_t i = 0; i < w.k; ++i) column[i] = Element(w, i, c);
     for (int64_t r = 0; r < p.rows; ++r) {
       float sum = 0.0f;
-      for (int64_t i = 0; i < w.k; ++i) sum += p.x[r * w.k + i] * column[i];
+      for (int64_t i = 0; i < w.k; ++i) {
+        const float xi = p.xq ? p.xq[r * w.k + i] * p.xd[r * (w.k / kRun) + i / kRun]
+                              : p.x[r * w.k + i];
+        sum += xi * column[i];
+      }
       p.y[r * w.n + c] = sum;
     }
   }
@@ -489,7 +627,9 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   for (int64_t r0 = 0; r0 < p.rows && vector_end > col;) {
     int pick = 3;  // 8 rows
     while ((int64_t{1} << pick) > p.rows - r0) --pick;
-    (fine ? passes.fine : passes.whole)[pick](p, col, vector_end, r0, out.data());
+    const PassFn* pick_from = p.xq ? (fine ? passes.fine_q8 : passes.whole_q8)
+                                   : (fine ? passes.fine : passes.whole);
+    pick_from[pick](p, col, vector_end, r0, out.data());
     r0 += int64_t{1} << pick;
   }
   if (vector_end < end) TailColumns(p, vector_end, end);
@@ -501,6 +641,8 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
 struct Work {
   Problem problem;
   std::vector<float> xs;
+  std::vector<int8_t> xq;
+  std::vector<float> xd;
   std::vector<int64_t> starts;
   std::vector<float> partials;
   int64_t total = 0;
@@ -521,6 +663,40 @@ struct Work {
   }
 };
 
+// Rows of x as int8 codes with one scale per run: d = max |x| / 127 and
+// q = x / d rounded to nearest, ties to even (reference.quantize_activations
+// computes the same codes), and xs the sums of d * q over each half run.
+void QuantizeRows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& xq,
+                  std::vector<float>& xd, std::vector<float>& xs) {
+  const int64_t runs = k / kRun;
+  xq.resize(static_cast<size_t>(rows * k));
+  xd.resize(static_cast<size_t>(rows * runs));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t run = 0; run < runs; ++run) {
+      const float* src = x + r * k + run * kRun;
+      int8_t* dst = xq.data() + r * k + run * kRun;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < kRun; ++i) {
+        amax = std::max(amax, std::fabs(src[i]));
+        finite = finite && std::isfinite(src[i]);
+      }
+      // A block with an infinity or NaN gets a NaN scale, so its outputs are NaN.
+      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      int32_t sums[2] = {0, 0};
+      for (int i = 0; i < kRun; ++i) {
+        const float v = d > 0.0f ? std::nearbyint(src[i] / d) : 0.0f;
+        const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+        dst[i] = static_cast<int8_t>(q);
+        sums[i / kHalf] += q;
+      }
+      xd[r * runs + run] = d;
+      xs[(r * runs + run) * 2] = d * static_cast<float>(sums[0]);
+      xs[(r * runs + run) * 2 + 1] = d * static_cast<float>(sums[1]);
+    }
+  }
+}
+
 // Rows of `in` per row of a group array with `rows` rows per matrix.
 int64_t GroupSize(int64_t k, int64_t rows) { return rows > 0 ? k / rows : 0; }
 
@@ -530,7 +706,7 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> z,
                              ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::U8> m,
                              ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
-                             int64_t zero) {
+                             int64_t zero, int64_t int8_x) {
   const auto xd = x.dimensions();
   const auto pd = plane0.dimensions();
   if (xd.size() != 2 || (pd.size() != 2 && pd.size() != 3) ||
@@ -615,11 +791,17 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.rows = xd[0];
   if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
   work->xs.resize(static_cast<size_t>(p.rows * halves));
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t h = 0; h < halves; ++h) {
-      float sum = 0.0f;
-      for (int i = 0; i < kHalf; ++i) sum += p.x[r * w.k + h * kHalf + i];
-      work->xs[r * halves + h] = sum;
+  if (int8_x) {
+    QuantizeRows(p.x, p.rows, w.k, work->xq, work->xd, work->xs);
+    p.xq = work->xq.data();
+    p.xd = work->xd.data();
+  } else {
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int64_t h = 0; h < halves; ++h) {
+        float sum = 0.0f;
+        for (int i = 0; i < kHalf; ++i) sum += p.x[r * w.k + h * kHalf + i];
+        work->xs[r * halves + h] = sum;
+      }
     }
   }
   p.xs = work->xs.data();
@@ -633,7 +815,7 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // (Stream), split over workers by runs; otherwise about four column blocks
   // per worker, of whole vectors, a block of 128 columns or more a multiple of
   // 128 (whole 64-byte lines of 4-bit codes), at most kMaxBlock.
-  p.stream = p.rows == 1 && w.n * w.b0 / 8 <= kStreamRowBytes;
+  p.stream = !int8_x && p.rows == 1 && w.n * w.b0 / 8 <= kStreamRowBytes;
   if (p.stream) {
     const int64_t runs = w.k / kRun;
     p.vector_end = w.n / kLanes * kLanes;
@@ -683,4 +865,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, out]
                                   .Attr<int64_t>("bits0")
                                   .Attr<int64_t>("bits1")
-                                  .Attr<int64_t>("zero"));
+                                  .Attr<int64_t>("zero")
+                                  .Attr<int64_t>("int8_x"));

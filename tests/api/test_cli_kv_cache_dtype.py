@@ -33,7 +33,12 @@ def test_bad_kv_cache_dtype_is_one_line_exit_2() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "expected"), [([], "auto"), (["--matmul-dtype", "bfloat16"], "bfloat16")]
+    ("argv", "expected"),
+    [
+        ([], "auto"),
+        (["--matmul-dtype", "bfloat16"], "bfloat16"),
+        (["--matmul-dtype", "int8"], "int8"),
+    ],
 )
 def test_matmul_dtype_flag_reaches_the_engine_config(argv: list[str], expected: str) -> None:
     args = build_parser().parse_args(argv)
@@ -41,8 +46,8 @@ def test_matmul_dtype_flag_reaches_the_engine_config(argv: list[str], expected: 
 
 
 def test_bad_matmul_dtype_is_one_line_exit_2() -> None:
-    result = run_cli("--matmul-dtype", "int8")
+    result = run_cli("--matmul-dtype", "int4")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert "--matmul-dtype" in lines[0] and "'int8'" in lines[0]
+    assert "--matmul-dtype" in lines[0] and "'int4'" in lines[0]

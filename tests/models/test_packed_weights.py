@@ -195,23 +195,34 @@ def test_bfloat16_operands_are_the_rounded_products_summed_in_float32(rows: int)
     np.testing.assert_allclose(out[:1], np.asarray(dequant_matmul(x16[:1], packed)), atol=1e-4)
 
 
-def test_bfloat16_operands_keep_the_model_close_to_hf(tmp_path: Path) -> None:
-    """--matmul-dtype bfloat16: logits within ~1% of HF's float32 on the same quantized values,
-    and different from the float32-operand run (the rounding is really applied)."""
+@pytest.mark.parametrize(
+    ("operand", "native"),
+    [("bfloat16", False), ("int8", False), ("int8", True)],
+    ids=["bfloat16", "int8-xla", "int8-native"],
+)
+def test_rounded_operands_keep_the_model_close_to_hf(
+    tmp_path: Path, operand: str, native: bool
+) -> None:
+    """--matmul-dtype bfloat16 / int8: logits within 2% of HF's float32 on the same quantized
+    values, and different from the float32-operand run (the rounding is really applied); int8
+    on the native kernel's integer dots (with the packed LM head) as on the XLA formulation."""
     import dataclasses
 
     import torch
 
+    from pallas_kernels.dequant_matmul import native as native_dequant
     from tests.models.harness import prompts
 
+    if native and not native_dequant.available():
+        pytest.skip("no C++ compiler built the native kernel here (it runs wherever one does)")
     hf_model = _random_model(_config())
     files = write_gguf(hf_model, hf_model.config, tmp_path / "q8.gguf", qtype="q8_0")
     checkpoint = load_gguf_checkpoint(files[0])
     exact = load_checkpoint(checkpoint)
-    config = dataclasses.replace(exact.config, operand_dtype="bfloat16")
+    config = dataclasses.replace(exact.config, operand_dtype=operand, native_kernels=native)
     weights = exact.spec.load(config, checkpoint.tensors(packed=True), np.float32)
     rounded = dataclasses.replace(exact, config=config, weights=weights)
-    assert weights["segments"][0]["wq"].operand_dtype == "bfloat16"
+    assert weights["segments"][0]["wq"].operand_dtype == operand
     ids = prompts(hf_model.config.vocab_size)
     ours = PagedRunner(rounded, 32, len(ids)).step(ids)
     floats = PagedRunner(exact, 32, len(ids)).step(ids)

@@ -10,6 +10,7 @@ compiler the numerics tests skip and the fallback tests still run.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -35,10 +36,11 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def run_native(x, w, layer=None) -> jax.Array:
+def run_native(x, w, layer=None, int8=False) -> jax.Array:
+    call = jax.jit(functools.partial(native.dequant_matmul, int8_activations=int8))
     if layer is None:
-        return jax.jit(native.dequant_matmul)(x, w)
-    return jax.jit(native.dequant_matmul)(x, w, jnp.int32(layer))
+        return call(x, w)
+    return call(x, w, jnp.int32(layer))
 
 
 def host_weight(qtype: T, out: int = 100, seed: int = 0):
@@ -53,6 +55,70 @@ def test_matches_reference(qtype):
     for num_tokens in (1, 7, 16):
         x = tokens(num_tokens, w.shape[0], seed=num_tokens)
         assert_close(run_native(x, w), reference.dequant_matmul(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_activations_match_the_reference(qtype):
+    # Integer dots over x rounded to int8 blocks of 32: the reference's rounded x times the
+    # float32 weight, up to the order of the sums; 33 rows run passes of 8, 8, 8, 8 and 1.
+    w = host_weight(qtype).to_device()
+    for num_tokens in (1, 7, 33):
+        x = tokens(num_tokens, w.shape[0], seed=num_tokens)
+        want = reference.dequant_matmul(x, w, int8_activations=True)
+        assert_close(run_native(x, w, int8=True), want)
+        # The rounding is applied: the result is not the float one, but within ~1% of it.
+        exact = np.asarray(reference.dequant_matmul(x, w))
+        assert not np.allclose(np.asarray(want), exact, rtol=1e-5, atol=0)
+        np.testing.assert_allclose(want, exact, atol=2e-2 * np.abs(exact).max())
+
+
+@needs_kernel
+def test_int8_activations_on_stacks_gptq_and_many_rows():
+    stacked = stack([host_weight(t, seed=i) for i, t in enumerate((T.Q4_K, T.Q6_K))]).to_device()
+    x = tokens(130, stacked.shape[-2])  # spread over the pool by column blocks
+    for layer in range(2):
+        matrix = PackedLayer(stacked, jnp.int32(layer)).matrix()
+        want = reference.dequant_matmul(x, matrix, int8_activations=True)
+        assert_close(run_native(x, stacked, layer, int8=True), want)
+    for z_shape in ((2, 96), (1, 1)):
+        w, _ = gptq_weight(z_shape)
+        x = tokens(9, 256)
+        want = reference.dequant_matmul(x, w, int8_activations=True)
+        assert_close(run_native(x, w, int8=True), want)
+
+
+@needs_kernel
+def test_int8_activations_keep_non_finite_values():
+    # A block holding an infinity or NaN has no finite scale: its rows' outputs are NaN, as the
+    # reference's, and the other rows are untouched.
+    w = host_weight(T.Q4_0).to_device()
+    x = np.array(tokens(3, w.shape[0]))
+    x[1, 40] = np.inf
+    x[2, 3] = np.nan
+    out = np.asarray(run_native(jnp.asarray(x), w, int8=True))
+    want = np.asarray(reference.dequant_matmul(jnp.asarray(x), w, int8_activations=True))
+    assert np.isnan(out[1:]).all() and np.isnan(want[1:]).all()
+    assert_close(out[:1], want[:1])
+
+
+def test_quantize_activations_rounds_blocks_of_32():
+    x = np.array(tokens(2, 64))
+    x[1, 32:] = 0.0  # an all-zero block stays zero
+    rounded = np.asarray(reference.quantize_activations(jnp.asarray(x)))
+    for row in range(2):
+        for b in range(2):
+            block, got = x[row, 32 * b : 32 * b + 32], rounded[row, 32 * b : 32 * b + 32]
+            d = np.abs(block).max() / 127
+            if d == 0:
+                assert (got == 0).all()
+                continue
+            codes = got / np.float32(d)
+            np.testing.assert_allclose(codes, np.round(codes), atol=1e-4)
+            assert np.abs(codes).max() == pytest.approx(127, abs=1e-4)
+            assert np.abs(got - block).max() <= d / 2 * (1 + 1e-5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        reference.quantize_activations(jnp.ones((1, 48)))
 
 
 @needs_kernel
@@ -157,6 +223,16 @@ def test_ops_dispatch(monkeypatch):
         np.testing.assert_array_equal(
             np.asarray(ops.dequant_matmul(x, w)), np.asarray(reference.dequant_matmul(x, matrix))
         )
+    # int8 activations take the kernel at any number of rows, and the reference's rounding
+    # where the kernel is not asked for (a plain PackedWeight under "auto").
+    np.testing.assert_array_equal(
+        np.asarray(ops.dequant_matmul(large, layer, int8_activations=True)),
+        np.asarray(run_native(large, stacked, 1, int8=True)),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(ops.dequant_matmul(large, matrix, int8_activations=True)),
+        np.asarray(reference.dequant_matmul(large, matrix, int8_activations=True)),
+    )
     # A matrix too large to stay in cache keeps the kernel up to NATIVE_MAX_TOKENS_LARGE rows.
     monkeypatch.setattr(ops, "LARGE_MATRIX_BYTES", 0)
     np.testing.assert_array_equal(
