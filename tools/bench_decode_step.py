@@ -13,7 +13,7 @@ is donated to each step, as the server does.
 ``float`` dequantizes a quantized checkpoint to float32 at load; ``packed`` keeps its quantized
 tensors packed (what runtime-serve does); any ``--isq`` type re-quantizes the projections. A
 ``-bf16`` suffix multiplies the quantized projections with bfloat16 operands
-(``--matmul-dtype bfloat16``). ``--native on`` (the default: what runtime-serve does on one CPU
+(``--matmul-dtype bfloat16``), an ``-i8`` suffix with int8 activations (``--matmul-dtype int8``). ``--native on`` (the default: what runtime-serve does on one CPU
 device) lets the native CPU kernels run, ``off`` keeps the XLA formulations
 (``RUNTIME_NATIVE_KERNELS=0`` does the same to a server), and ``both`` times every format both
 ways, the native one as ``<format>+native``.
@@ -38,6 +38,14 @@ from runtime.config import ISQ_CHOICES
 from runtime.sources import resolve_model_source
 
 PAGE_SIZE = 16
+OPERANDS = {"-bf16": "bfloat16", "-i8": "int8"}  # format suffix -> operand_dtype
+
+
+def _kind(name: str) -> str:
+    """A format's weights: its name without the operand suffix."""
+    for suffix in OPERANDS:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _timed(fn, rounds: int, calls: int) -> list[float]:
@@ -68,7 +76,7 @@ def main() -> int:
     args = parser.parse_args()
     formats = args.formats.split(",")
     for name in formats:
-        if name.removesuffix("-bf16") not in ("float", "packed", *ISQ_CHOICES):
+        if _kind(name) not in ("float", "packed", *ISQ_CHOICES):
             print(f"bench_decode_step: unknown format {name!r}", file=sys.stderr)
             return 2
     checkpoint = load_checkpoint(resolve_model_source(args.model_id, None))
@@ -77,11 +85,11 @@ def main() -> int:
     natives = {"on": (True,), "off": (False,), "both": (False, True)}[args.native]
     models = {}
     for name in formats:
-        kind = name.removesuffix("-bf16")
+        kind = _kind(name)
         config = dataclasses.replace(
             base,
             quantization=None if kind in ("float", "packed") else kind,
-            operand_dtype="bfloat16" if name.endswith("-bf16") else None,
+            operand_dtype=OPERANDS.get(name[len(kind) :]),
         )
         for native in natives:
             # Loaded per setting: where native kernels run, a quantized LM head stays packed.

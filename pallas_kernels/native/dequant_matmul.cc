@@ -60,6 +60,8 @@ constexpr int kRun = 32;      // codes per packed run along `in`
 constexpr int kHalf = 16;     // the finest group the kernel reads (k-quants' sub-blocks)
 constexpr int kMaxBlock = 1024;  // output columns per work item at most
 constexpr int kMaxRows = 8;   // rows of x per pass at most
+constexpr int kRowBlock = kMaxRows;  // rows of x side by side in the int8 layout
+constexpr int kQuads = kRun / 4;     // int8 codes of x four to an int32
 constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
 // A lone row of x streams plane rows of up to kStreamRowBytes (a page: longer
 // rows live in pages of their own, which the column blocks read well), in
@@ -185,9 +187,13 @@ struct Problem {
   Weight w;
   const float* x = nullptr;   // [rows, k]
   const float* xs = nullptr;  // [rows, k / kHalf]: sums of x over each half run
-  // int8 activations: x's codes and one scale per run (xs then sums the rounded x).
-  const int8_t* xq = nullptr;  // [rows, k]
-  const float* xd = nullptr;   // [rows, k / kRun]
+  // int8 activations, in blocks of kRowBlock rows (QuantizeRows): x's codes four
+  // to an int32 (codes 4t .. 4t + 3 of a run), each run's scale, and the sums of
+  // the rounded x over each half run and each run.
+  const int32_t* xq = nullptr;  // [row blocks][runs][kRun / 4][kRowBlock]
+  const float* xd = nullptr;    // [row blocks][runs][kRowBlock]
+  const float* xh = nullptr;    // [row blocks][halves][kRowBlock]
+  const float* xr = nullptr;    // [row blocks][runs][kRowBlock]
   float* y = nullptr;         // [rows, n]
   int64_t rows = 0;
   int64_t block = 0;  // output columns per work item
@@ -344,9 +350,7 @@ inline UVec FieldBytes(UVec v, int shift, int width) {
 
 // acc + the sums, per lane, of its four unsigned bytes of w times the four
 // signed bytes of x4.
-inline IVec Dot4(IVec acc, UVec w, const int8_t* x4) {
-  int32_t x;
-  std::memcpy(&x, x4, sizeof x);
+inline IVec Dot4(IVec acc, UVec w, int32_t x) {
 #if defined(__AVX512VNNI__)
   return reinterpret_cast<IVec>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
                                                     reinterpret_cast<__m512i>(w),
@@ -354,74 +358,66 @@ inline IVec Dot4(IVec acc, UVec w, const int8_t* x4) {
 #else
   for (int t = 0; t < 4; ++t) {
     const IVec wt = reinterpret_cast<IVec>((w >> (8 * t)) & 0xffu);
-    acc += wt * static_cast<int32_t>(static_cast<int8_t>(x4[t]));
+    acc += wt * static_cast<int32_t>(static_cast<int8_t>(x >> (8 * t)));
   }
   return acc;
 #endif
 }
 
-// Pass with int8 activations: the same loops and output, the codes of four
-// plane rows at a time in each lane (Gather4) and integer dots per half run,
-// scaled by s and the row's scale of the run at the end of each run.
+// Pass with int8 activations. The columns are the outer loop here, so that
+// the Rows output vectors stay in registers over all runs; within a run the
+// codes go in order, four at a time in each lane (four plane rows transposed
+// by Gather4, each plane row read once per run), into one integer dot per row
+// that is scaled into the outputs at the end of each group (half run or run).
 template <int B0, int B1, int Rows, bool Fine>
-void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
+void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict) {
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
-  constexpr int kHalves = Fine ? 2 : 1;
+  constexpr int kGroup = Fine ? kHalf : kRun;  // codes per integer dot
   const Weight& w = p.w;
-  const int64_t width = end - col, halves = w.k / kHalf, runs = w.k / kRun;
-  const int8_t* xq = p.xq + r0 * w.k;
-  const float* xd = p.xd + r0 * runs;
-  const float* xs = p.xs + r0 * halves;
-  std::fill(out, out + Rows * width, 0.0f);
-  for (int64_t run = 0; run < runs; ++run) {
-    const int64_t row = run * kRun;
-    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
-    for (int64_t c = 0; c < width; c += kLanes) {
-      Vec s[2], o[2];
-      Factors(w, g0, col + c, s[0], o[0]);
-      if constexpr (Fine) Factors(w, g1, col + c, s[1], o[1]);
+  const int64_t halves = w.k / kHalf, runs = w.k / kRun;
+  // This pass's rows lie in one block of kRowBlock (r0 is a multiple of Rows).
+  const int64_t block = r0 / kRowBlock, lane = r0 % kRowBlock;
+  const int32_t* xq = p.xq + block * runs * kQuads * kRowBlock + lane;
+  const float* xd = p.xd + block * runs * kRowBlock + lane;
+  const float* xh = p.xh + block * halves * kRowBlock + lane;
+  const float* xr = p.xr + block * runs * kRowBlock + lane;
+  for (int64_t c = col; c < end; c += kLanes) {
+    Vec y[Rows];
+    for (int r = 0; r < Rows; ++r) y[r] = Vec{};
+    for (int64_t run = 0; run < runs; ++run) {
+      const int64_t row = run * kRun;
       UVec hi[B1 ? B1 : 1];
       if constexpr (B1 != 0) {
         for (int u = 0; u < B1; ++u)
-          hi[u] = Gather4(w.p1 + (run * kRows1 + 4 * u) * w.n + col + c, w.n);
+          hi[u] = Gather4(w.p1 + (run * kRows1 + 4 * u) * w.n + c, w.n);
       }
-      IVec acc[kHalves][Rows];
-      for (int h = 0; h < kHalves; ++h)
-        for (int r = 0; r < Rows; ++r) acc[h][r] = IVec{};
+      UVec bytes[B0];
+      IVec acc[Rows];
 #pragma GCC unroll 8
-      for (int j = 0; j < kRows0; j += 4) {
-        const UVec bytes = Gather4(w.p0 + (run * kRows0 + j) * w.n + col + c, w.n);
-#pragma GCC unroll 4
-        for (int f = 0; f < 8 / B0; ++f) {
-          const int i = j + f * kRows0;  // codes i .. i + 3 of the run
-          UVec q = FieldBytes(bytes, f * B0, B0);
-          if constexpr (B1 != 0)
-            q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
+      for (int i = 0; i < kRun; i += 4) {  // codes i .. i + 3 of the run
+        const int j = i % kRows0, f = i / kRows0;
+        if (f == 0) bytes[j / 4] = Gather4(w.p0 + (run * kRows0 + j) * w.n + c, w.n);
+        UVec q = FieldBytes(bytes[j / 4], f * B0, B0);
+        if constexpr (B1 != 0) q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
+        if (i % kGroup == 0)
+          for (int r = 0; r < Rows; ++r) acc[r] = IVec{};
 #pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r)
+          acc[r] = Dot4(acc[r], q, xq[(run * kQuads + i / 4) * kRowBlock + r]);
+        if ((i + 4) % kGroup == 0) {  // the group's last codes: scale its dots into y
+          const int half = 2 * run + i / kHalf;
+          Vec s, o;
+          Factors(w, RowsOf(w, half), c, s, o);
           for (int r = 0; r < Rows; ++r) {
-            IVec& a = acc[Fine ? i / kHalf : 0][r];
-            a = Dot4(a, q, xq + r * w.k + row + i);
+            y[r] += ToFloat(acc[r]) * Splat(xd[run * kRowBlock + r]) * s;
+            if (w.offset)
+              y[r] -= o * Splat(Fine ? xh[half * kRowBlock + r] : xr[run * kRowBlock + r]);
           }
         }
       }
-      for (int r = 0; r < Rows; ++r) {
-        const float scale = xd[r * runs + run];
-        const float x0 = xs[r * halves + 2 * run], x1 = xs[r * halves + 2 * run + 1];
-        float* dst = out + r * width + c;
-        Vec y = Load(dst);
-        if constexpr (Fine) {
-          y += (ToFloat(acc[0][r]) * s[0] + ToFloat(acc[1][r]) * s[1]) * scale;
-          if (w.offset) y -= o[0] * x0 + o[1] * x1;
-        } else {
-          y += ToFloat(acc[0][r]) * (s[0] * scale);
-          if (w.offset) y -= o[0] * (x0 + x1);
-        }
-        Store(dst, y);
-      }
     }
+    for (int r = 0; r < Rows; ++r) Store(p.y + (r0 + r) * w.n + c, y[r]);
   }
-  for (int r = 0; r < Rows; ++r)
-    std::memcpy(p.y + (r0 + r) * w.n + col, out + r * width, sizeof(float) * width);
 }
 
 using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
@@ -566,6 +562,15 @@ StreamFn StreamFor(int b0, int b1) {
   }
 }
 
+// Element (r, i) of x as rounded to int8 (its code times its run's scale).
+float RoundedX(const Problem& p, int64_t r, int64_t i) {
+  const int64_t runs = p.w.k / kRun, block = r / kRowBlock, lane = r % kRowBlock;
+  const int64_t run = i / kRun, quad = (i % kRun) / 4;
+  const int32_t four = p.xq[((block * runs + run) * kQuads + quad) * kRowBlock + lane];
+  const int8_t code = static_cast<int8_t>(four >> (8 * (i % 4)));
+  return code * p.xd[(block * runs + run) * kRowBlock + lane];
+}
+
 // One element of the weight, for the columns past the last whole vector.
 float Element(const Weight& w, int64_t row, int64_t col) {
   const int64_t run = row / kRun, i = row % kRun;
@@ -598,8 +603,7 @@ void TailColumns(const Problem& p, int64_t col, int64_t end) {
     for (int64_t r = 0; r < p.rows; ++r) {
       float sum = 0.0f;
       for (int64_t i = 0; i < w.k; ++i) {
-        const float xi = p.xq ? p.xq[r * w.k + i] * p.xd[r * (w.k / kRun) + i / kRun]
-                              : p.x[r * w.k + i];
+        const float xi = p.xq ? RoundedX(p, r, i) : p.x[r * w.k + i];
         sum += xi * column[i];
       }
       p.y[r * w.n + c] = sum;
@@ -641,8 +645,8 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
 struct Work {
   Problem problem;
   std::vector<float> xs;
-  std::vector<int8_t> xq;
-  std::vector<float> xd;
+  std::vector<int32_t> xq;
+  std::vector<float> xd, xh, xr;
   std::vector<int64_t> starts;
   std::vector<float> partials;
   int64_t total = 0;
@@ -663,36 +667,67 @@ struct Work {
   }
 };
 
-// Rows of x as int8 codes with one scale per run: d = max |x| / 127 and
-// q = x / d rounded to nearest, ties to even (reference.quantize_activations
-// computes the same codes), and xs the sums of d * q over each half run.
-void QuantizeRows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& xq,
-                  std::vector<float>& xd, std::vector<float>& xs) {
-  const int64_t runs = k / kRun;
-  xq.resize(static_cast<size_t>(rows * k));
-  xd.resize(static_cast<size_t>(rows * runs));
+// One run of x (32 values) as int8 codes: d = max |x| / 127 (NaN when the run
+// holds an infinity or NaN, so that its outputs are NaN) and q = x / d rounded
+// to nearest, ties to even (reference.quantize_activations computes the same
+// codes). Returns d; sums gets the codes' sums over each half run.
+float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < kRun; ++i) {
+    amax = std::max(amax, std::fabs(src[i]));
+    finite = finite && std::isfinite(src[i]);
+  }
+  const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  sums[0] = sums[1] = 0;
+  if (!(d > 0.0f)) {
+    std::fill(dst, dst + kRun, 0);
+    return d;
+  }
+#if defined(__AVX512F__)
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_div_ps(_mm512_loadu_ps(src + h * kHalf), _mm512_set1_ps(d));
+    const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q = _mm512_cvtps_epi32(
+        _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), r)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h * kHalf), _mm512_cvtepi32_epi8(q));
+    sums[h] = _mm512_reduce_add_epi32(q);
+  }
+#else
+  for (int i = 0; i < kRun; ++i) {
+    const float v = std::nearbyint(src[i] / d);
+    const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+    dst[i] = static_cast<int8_t>(q);
+    sums[i / kHalf] += q;
+  }
+#endif
+  return d;
+}
+
+// Rows of x as int8 codes with one scale per run (QuantizeRun), laid out for
+// PassQ8 (see Problem): blocks of kRowBlock rows, each run's codes four to an
+// int32 with the block's rows side by side, so that a pass reads the rows'
+// codes for the same four columns of `in` from one place.
+void QuantizeRows(const float* x, int64_t rows, int64_t k, Work& work) {
+  const int64_t runs = k / kRun, halves = k / kHalf;
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  work.xq.assign(static_cast<size_t>(blocks * runs * kQuads * kRowBlock), 0);
+  work.xd.assign(static_cast<size_t>(blocks * runs * kRowBlock), 0.0f);
+  work.xh.assign(static_cast<size_t>(blocks * halves * kRowBlock), 0.0f);
+  work.xr.assign(static_cast<size_t>(blocks * runs * kRowBlock), 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t block = r / kRowBlock, lane = r % kRowBlock;
     for (int64_t run = 0; run < runs; ++run) {
-      const float* src = x + r * k + run * kRun;
-      int8_t* dst = xq.data() + r * k + run * kRun;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < kRun; ++i) {
-        amax = std::max(amax, std::fabs(src[i]));
-        finite = finite && std::isfinite(src[i]);
-      }
-      // A block with an infinity or NaN gets a NaN scale, so its outputs are NaN.
-      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-      int32_t sums[2] = {0, 0};
-      for (int i = 0; i < kRun; ++i) {
-        const float v = d > 0.0f ? std::nearbyint(src[i] / d) : 0.0f;
-        const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
-        dst[i] = static_cast<int8_t>(q);
-        sums[i / kHalf] += q;
-      }
-      xd[r * runs + run] = d;
-      xs[(r * runs + run) * 2] = d * static_cast<float>(sums[0]);
-      xs[(r * runs + run) * 2 + 1] = d * static_cast<float>(sums[1]);
+      int8_t codes[kRun];
+      int32_t sums[2];
+      const float d = QuantizeRun(x + r * k + run * kRun, codes, sums);
+      const int64_t at = (block * runs + run) * kRowBlock + lane;
+      for (int t = 0; t < kQuads; ++t)
+        std::memcpy(&work.xq[(at - lane) * kQuads + t * kRowBlock + lane], codes + 4 * t, 4);
+      work.xd[at] = d;
+      work.xh[(block * halves + 2 * run) * kRowBlock + lane] = d * static_cast<float>(sums[0]);
+      work.xh[(block * halves + 2 * run + 1) * kRowBlock + lane] = d * static_cast<float>(sums[1]);
+      work.xr[at] = d * static_cast<float>(sums[0] + sums[1]);
     }
   }
 }
@@ -792,9 +827,11 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
   work->xs.resize(static_cast<size_t>(p.rows * halves));
   if (int8_x) {
-    QuantizeRows(p.x, p.rows, w.k, work->xq, work->xd, work->xs);
+    QuantizeRows(p.x, p.rows, w.k, *work);
     p.xq = work->xq.data();
     p.xd = work->xd.data();
+    p.xh = work->xh.data();
+    p.xr = work->xr.data();
   } else {
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t h = 0; h < halves; ++h) {
