@@ -57,3 +57,22 @@ def test_quantize_int8_error_is_bounded() -> None:
     # Round to nearest: at most half a step, a step being max|w| / 127 per output channel.
     step = np.abs(w).max(axis=1, keepdims=True) / 127
     assert np.all(np.abs(dequant - w) <= step / 2 + 1e-7)
+
+
+def test_int8_operands_round_the_activations_of_int8_weights() -> None:
+    """--matmul-dtype int8 with --isq int8: the activations are rounded as for packed weights
+    (blocks of 32, one scale each) and multiply the int8 weight in float32; one row keeps its
+    float activations (a lone decoding sequence)."""
+    import jax.numpy as jnp
+
+    from models.layers.linear import linear
+    from pallas_kernels.dequant_matmul.reference import quantize_activations
+
+    rng = np.random.default_rng(1)
+    q = quantize_int8(rng.standard_normal((64, 48)).astype(np.float32), "int8")
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    dequant = np.asarray(q.q, np.float64) * np.asarray(q.scale, np.float64)[None, :]
+    rounded = np.asarray(quantize_activations(x), np.float64)
+    assert not np.allclose(rounded, np.asarray(x))
+    np.testing.assert_allclose(np.asarray(linear(x, q)), rounded @ dequant, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(linear(x[:1], q)), np.asarray(x[:1]) @ dequant, atol=1e-4)
