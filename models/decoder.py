@@ -31,7 +31,7 @@ from models.layers.attention import (
 )
 from models.layers.causal_attention import causal_self_attention
 from models.layers.expert_offload import EXPERT_FIELDS, HOST_SUFFIX, split_stack, to_host_memory
-from models.layers.linear import OPERAND_DTYPES, linear, quantize_int8
+from models.layers.linear import OPERAND_DTYPES, int8_operands, linear, quantize_int8
 from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
 from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
@@ -412,7 +412,7 @@ def lm_head(
     head = weights.get("lm_head")
     bias = weights["lm_head_b"] if cfg.lm_head_bias else None
     if isinstance(head, PackedWeight):
-        int8 = cfg.operand_dtype == "int8" and h.size != h.shape[-1]
+        int8 = int8_operands(h, cfg.operand_dtype)
         logits = dequant_matmul(h, head, impl="native", int8_activations=int8)
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)

@@ -74,7 +74,7 @@ def linear(
     """x @ weight (+ bias), summed in float32 whatever the storage dtype; quantized weights
     round x to their ``operand_dtype`` first."""
     if isinstance(weight, (PackedWeight, PackedLayer)):
-        int8 = weight.operand_dtype == "int8" and x.size != x.shape[-1]
+        int8 = int8_operands(x, weight.operand_dtype)
         y = dequant_matmul(
             x if int8 else _operands(x, weight.operand_dtype), weight, int8_activations=int8
         )
@@ -89,6 +89,11 @@ def linear(
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+def int8_operands(x: jax.Array, operand_dtype: str | None) -> bool:
+    """Whether a packed weight's dot rounds ``x`` to int8 (see the module docstring)."""
+    return operand_dtype == "int8" and x.size != x.shape[-1]
 
 
 def _operands(x: jax.Array, operand_dtype: str | None) -> jax.Array:
