@@ -49,28 +49,20 @@ def host_weight(qtype: T, out: int = 100, seed: int = 0):
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matches_reference(qtype):
+def test_matches_reference(qtype, int8):
+    # int8: integer dots over x rounded to int8 blocks of 32, i.e. the reference's rounded x
+    # times the float32 weight up to the order of the sums. 33 rows: passes of 8, 8, 8, 8, 1.
     w = host_weight(qtype).to_device()
-    for num_tokens in (1, 7, 16):
+    for num_tokens in (1, 7, 16, 33):
         x = tokens(num_tokens, w.shape[0], seed=num_tokens)
-        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
-
-
-@needs_kernel
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_int8_activations_match_the_reference(qtype):
-    # Integer dots over x rounded to int8 blocks of 32: the reference's rounded x times the
-    # float32 weight, up to the order of the sums; 33 rows run passes of 8, 8, 8, 8 and 1.
-    w = host_weight(qtype).to_device()
-    for num_tokens in (1, 7, 33):
-        x = tokens(num_tokens, w.shape[0], seed=num_tokens)
-        want = reference.dequant_matmul(x, w, int8_activations=True)
-        assert_close(run_native(x, w, int8=True), want)
-        # The rounding is applied: the result is not the float one, but within ~1% of it.
-        exact = np.asarray(reference.dequant_matmul(x, w))
-        assert not np.allclose(np.asarray(want), exact, rtol=1e-5, atol=0)
-        np.testing.assert_allclose(want, exact, atol=2e-2 * np.abs(exact).max())
+        want = reference.dequant_matmul(x, w, int8_activations=int8)
+        assert_close(run_native(x, w, int8=int8), want)
+        if int8:  # the rounding is applied: not the float result, but within ~1% of it
+            exact = np.asarray(reference.dequant_matmul(x, w))
+            assert not np.allclose(np.asarray(want), exact, rtol=1e-5, atol=0)
+            np.testing.assert_allclose(want, exact, atol=2e-2 * np.abs(exact).max())
 
 
 @needs_kernel
