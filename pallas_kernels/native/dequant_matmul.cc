@@ -28,7 +28,9 @@
 // transposed so that each 32-bit lane holds four codes of one column along
 // `in`, and one VNNI instruction (vpdpbusd: unsigned weight codes times signed
 // activation codes) adds 64 products where the float loop adds 16 (PassQ8).
-// A run's integer sums are scaled once per run and row.
+// Each group's integer sums (a half run for k-quants, else a run) are scaled
+// once per group and row. A work item first copies its block of plane rows,
+// one row after another, and the passes read the copy.
 //
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
@@ -179,8 +181,8 @@ struct Weight {
   // h * kHalf start (row * n), so that no pass divides.
   const int64_t* starts = nullptr;  // [k / kHalf, kArrays]
   int zero = 0;          // the zero code when z is absent (or one value for the matrix)
-  // PassQ8 reads plane row r's column c at p0 + r * pn + (c - pc): the matrix
-  // itself (pn = n, pc = 0) or a copy of a block of columns (RunItem).
+  // PassQ8 reads plane row r's column c at p0 + r * pn + (c - pc), in RunItem's
+  // copy of an item's block of columns (pn: its width, pc: its first column).
   int64_t pn = 0, pc = 0;
   int64_t fine = 0;      // the finest group: kHalf or a multiple of kRun
   bool offset = false;   // whether s * z + l can be nonzero
@@ -790,7 +792,6 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   w.k = pd[pd.size() - 2] * 8 / w.b0;
   w.zero = static_cast<int>(zero);
-  w.pn = w.n;
   if (xd[1] != w.k || w.k % kRun != 0) {
     return ffi::Error::InvalidArgument("dequant_matmul: x's width does not match the weight");
   }
@@ -852,7 +853,6 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.y = y->typed_data();
   p.rows = xd[0];
   if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
-  work->xs.resize(static_cast<size_t>(p.rows * halves));
   if (int8_x) {
     QuantizeRows(p.x, p.rows, w.k, *work);
     p.xq = work->xq.data();
@@ -860,6 +860,7 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     p.xh = work->xh.data();
     p.xr = work->xr.data();
   } else {
+    work->xs.resize(static_cast<size_t>(p.rows * halves));
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t h = 0; h < halves; ++h) {
         float sum = 0.0f;
