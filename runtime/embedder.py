@@ -23,7 +23,7 @@ from models.registry import ModelSpec
 from runtime.buckets import pick
 from runtime.compiled_shapes import CompiledShapes
 from runtime.request import MAX_TOP_LOGPROBS, TokenLogprobs
-from runtime.sharding import placed, replicated_sharding
+from runtime.sharding import host_inputs, placed, replicated_sharding
 
 Pooling = Literal["mean", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "last")
@@ -39,6 +39,7 @@ class EmbeddingRunner:
         self.lengths = embedding_lengths(max_model_len)
         # On a mesh the outputs are replicated, so every process of a multi-node run reads them.
         replicated = replicated_sharding(weights)
+        self.input_sharding = replicated
         out = {} if replicated is None else {"out_shardings": replicated}
         self._pool = jax.jit(functools.partial(_pool, spec.hidden_states, config), **out)
         self._score = None
@@ -58,8 +59,9 @@ class EmbeddingRunner:
     def _lower(self, key: tuple[str, int]) -> Any:
         kind, length = key
         weights = placed(self.weights)
-        tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-        n = jax.ShapeDtypeStruct((1,), jnp.int32)
+        tokens, n = host_inputs(
+            (np.zeros((1, length), np.int32), np.zeros(1, np.int32)), self.input_sharding
+        )
         return (self._pool if kind == "pool" else self._score).lower(weights, tokens, n)
 
     def embed(self, token_ids: list[int], pooling: Pooling) -> np.ndarray:  # [hidden] float32

@@ -32,7 +32,7 @@ from runtime.sampler import (
     sample,
 )
 from runtime.scheduler import ScheduledBatch, ScheduledSeq, StepKind
-from runtime.sharding import placed, replicated_sharding
+from runtime.sharding import host_inputs, placed, replicated_sharding
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
 MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
@@ -77,8 +77,10 @@ class ModelRunner:
         self.decode_steps = decode_steps
         # With a device mesh the updated cache keeps the input's sharding (runtime.sharding).
         forward = functools.partial(_constrained, spec.forward, cache_sharding)
-        # The sampled tokens (and logprobs) are replicated, so every process can read them.
+        # The sampled tokens (and logprobs) are replicated, so every process can read them; so
+        # is every host input of a step, compiled and passed with this one sharding.
         replicated = replicated_sharding(cache_sharding)
+        self.input_sharding = replicated
         self._step = jax.jit(
             functools.partial(_step, forward, config, replicated), donate_argnums=(1,)
         )
@@ -93,7 +95,7 @@ class ModelRunner:
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
             n: jax.device_put(
-                np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), replicated
+                np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), self.input_sharding
             )
             for n in {1, *plan.decode_seqs}
         }
@@ -116,8 +118,7 @@ class ModelRunner:
         return first, rest
 
     def _lower(self, key: tuple[int, int, int, int]) -> Any:
-        abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
-        batch, meta = abstract(_empty_inputs(*key[:3], self.vocab_size))
+        batch, meta = host_inputs(_empty_inputs(*key[:3], self.vocab_size), self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
             return self._step.lower(weights, cache, batch, meta)

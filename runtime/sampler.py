@@ -184,8 +184,16 @@ def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """
     num_seqs, vocab = logits.shape
     temperature = jnp.where(meta.temperature > 0.0, meta.temperature, 1.0)
-    scaled = logits / temperature[:, None]
-    w = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the most likely is 1.0
+    # Every filter and the draw compare against values taken from w, so every reader must see
+    # the same w, in (0, 1] with the most likely exactly 1.0. XLA:CPU's vectorized exp is not
+    # exact at 0 (exp(0) came out as 0.9999995 or 1.0000002), and XLA may recompute an
+    # elementwise value inside each consumer's fusion, where the copies can differ in the last
+    # bits (seen on a mesh, the vocabulary split): a drawn value then matched no token. So the
+    # top is set to 1.0, the rest capped at it, and the barriers make each one array.
+    scaled = jax.lax.optimization_barrier(logits / temperature[:, None])
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    w = jnp.where(scaled == top, 1.0, jnp.minimum(jnp.exp(scaled - top), 1.0))
+    w = jax.lax.optimization_barrier(w)
     top_k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
     # top-k, then top-p over what top-k kept, renormalized (as vLLM, HF and llama.cpp chain
     # them): each keeps a prefix of the sorted row, so each is the largest cut that still keeps

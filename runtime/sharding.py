@@ -176,6 +176,15 @@ def placed(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def host_inputs(tree: Any, sharding: NamedSharding | None) -> Any:
+    """Abstract values of a step's host inputs (token batch, sampling metadata) with the one
+    sharding they are compiled for and called with: ``sharding`` is the mesh's replicated one
+    (every process holds the whole batch) or None off a mesh. Left unspecified, the partitioner
+    may choose a split (the grammar mask follows the vocabulary-split logits), and an input kept
+    on the device with another sharding would then be refused by the compiled step."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
 def device_bytes(tree: Any, memory_kind: str = "device") -> dict[Any, int]:
     """Bytes each device holds of a pytree of arrays in its ``memory_kind`` memory: its own
     (``"device"``) or the host memory it is attached to (``"pinned_host"``)."""
