@@ -1,18 +1,18 @@
 """Two ``runtime-serve`` processes on localhost serve one model together (``jax.distributed`` with
-CPU collectives, one device each, tensor parallel 2): rank 0 answers HTTP with the same greedy
-tokens, logprobs and prompt scores as one process alone, and rank 1 exits cleanly when rank 0
-stops."""
+CPU collectives, one device each, tensor parallel 2): rank 0 answers every kind of request
+(greedy, logprobs, seeded, ``n = 2``, ``json_schema``, streamed) with the same greedy answers and
+prompt scores as one process alone, and rank 1 exits cleanly when rank 0 stops."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.e2e.sharded_requests import exercise
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 from tests.serve_process import REPO_ROOT, running_server, serve_command
@@ -20,7 +20,6 @@ from tests.serve_process import REPO_ROOT, running_server, serve_command
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ENGINE = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "128", "--mem", "4"]
-PROMPTS = ["Hello there", "What is two plus two?", "Tell me a story about the sea"]
 
 
 def _free_port() -> int:
@@ -30,28 +29,15 @@ def _free_port() -> int:
 
 
 def _answers(url: str, model: str) -> dict:
+    """Every kind of request (``sharded_requests.exercise``) and a prompt's echoed logprobs."""
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-
-    def chat(prompt: str) -> tuple[str, list[float]]:
-        reply = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=12,
-            temperature=0,
-            logprobs=True,
-        )
-        logprobs = [round(t.logprob, 3) for t in reply.choices[0].logprobs.content]
-        return reply.choices[0].message.content, logprobs
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the requests share decode steps
-        chats = list(pool.map(chat, PROMPTS))
     scored = client.completions.create(
         model=model, prompt="Count: one two", max_tokens=1, temperature=0, echo=True, logprobs=2
     )
     prompt_logprobs = [
         None if v is None else round(v, 3) for v in scored.choices[0].logprobs.token_logprobs
     ]
-    return {"chats": chats, "prompt_logprobs": prompt_logprobs}
+    return {**exercise(url, model), "prompt_logprobs": prompt_logprobs}
 
 
 @pytest.fixture(scope="module")
