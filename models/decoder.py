@@ -37,6 +37,7 @@ from models.layers.mlp import check_activation, dense_mlp
 from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from models.layers.norms import NormConfig, apply_norm
 from models.weights import Packing, WeightRule, load_host_weights
+from pallas_kernels import cpu_choice
 from pallas_kernels.dequant_matmul import HostPacked, PackedLayer, PackedWeight, dequant_matmul
 from pallas_kernels.dequant_matmul import native as native_dequant
 from pallas_kernels.paged_attention import KVCache, kv_cache_shape
@@ -277,7 +278,10 @@ def _keep_packed_head(
     head the loader makes of it: the native kernel reads it in its own type, a quarter or less
     of the float32 bytes that a decode step otherwise reads whole (a tied embedding also stays
     float, for the lookups)."""
-    if not (cfg.native_kernels and native_dequant.available()):
+    # A packed head the kernel does not take is dequantized whole on every step: it stays
+    # packed only where the kernel was measured faster for the head's calls of one row and more.
+    wins = all(cpu_choice.native_wins("dequant_matmul", c) for c in ("one_row", "large"))
+    if not (cfg.native_kernels and wins and native_dequant.available()):
         yield from tensors
         return
     source = "embed" if cfg.tie_word_embeddings else "lm_head"

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from models.registry import ModelSpec, model_config_from_hf
-from pallas_kernels.dequant_matmul import native as native_dequant
+from pallas_kernels.native import calibration
 from pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
-from pallas_kernels.paged_attention import native as native_attention
 from runtime.buckets import BucketPlan
 from runtime.config import EngineConfig
 from runtime.data_parallel import DataParallelEngine
@@ -202,14 +201,14 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     """``model_config`` with ``native_kernels`` set: on where the step runs on XLA:CPU without a
     device mesh (one device per replica). A native kernel is a custom call, which XLA's SPMD
     partitioner does not split, so a tensor-parallel step keeps the XLA formulations. Decided
-    before the weights load: where native kernels run, a quantized LM head stays packed."""
+    before the weights load: where native kernels run, a quantized LM head stays packed.
+
+    Each kernel's call classes are then timed against XLA on this CPU (once per machine and
+    build: ``pallas_kernels.native.calibration``), and each runs the faster; the log names
+    the instruction set built for and each choice."""
     allowed = jax.default_backend() == "cpu" and tensor_parallel_size == 1
-    if allowed:
-        logger.info(
-            "native CPU kernels allowed; paged attention: %s, dequant-matmul: %s",
-            "native" if native_attention.available() else "XLA reference",
-            "native" if native_dequant.available() else "XLA reference",
-        )
+    if allowed and not calibration.calibrate():
+        logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
     return dataclasses.replace(model_config, native_kernels=allowed)
 
 

@@ -9,7 +9,9 @@ reference.
   at most ``NATIVE_MAX_TOKENS`` rows (``NATIVE_MAX_TOKENS_LARGE`` for a matrix too large to stay
   in cache): it unpacks the weight in registers instead of writing its float32 matrix, and
   reads the layer inside the stack, so nothing is copied per layer. Longer calls (prefill
-  chunks, 16-sequence decode) run the reference, whose dot is faster there;
+  chunks, 16-sequence decode) run the reference, whose dot is faster there. Within those
+  bounds a call class goes native only where ``cpu_choice.native_wins`` says the kernel was
+  measured faster on this CPU (``pallas_kernels.native.calibration``);
 - otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
   elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
   GPU (``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import cpu_choice
 from pallas_kernels.dequant_matmul import kernel, native, reference
 from pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
 
@@ -81,11 +84,15 @@ def _native_runs(
     stack = w.stack if isinstance(w, PackedLayer) else w
     k, n = w.shape[-2:]
     large = k * n * 4 > LARGE_MATRIX_BYTES
+    rows = x.shape[0]
     return (
         backend == "cpu"
         and (
             int8_activations
-            or x.shape[0] <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
+            or (
+                rows <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
+                and cpu_choice.native_wins("dequant_matmul", cpu_choice.dequant_class(rows, large))
+            )
         )
         and native.supports(x, stack)
         and native.available()

@@ -5,9 +5,12 @@ quantized weights inside a dot) are where it loses most against hand-written loo
 here are XLA FFI handlers (``jax.ffi``) in C++ files beside their Python wrappers:
 
 1. ``load(name)`` compiles ``<name>.cc`` with the system C++ compiler (``$CXX``, else ``c++``)
-   into the runtime's cache folder, keyed by the source, the flags, the compiler and jaxlib, so
-   later starts load the built library at once; ``-march=native`` is safe because the library is
-   built on the machine that runs it.
+   for the instruction set of the CPU it runs on (``cpu_isa()``: x86-64-v4 with AVX-512's VNNI
+   and VBMI where present, x86-64-v3 with AVX-VNNI where present, aarch64 with the dot-product
+   extension, else a generic build) into the runtime's cache folder, keyed by the source, the
+   flags, the compiler and jaxlib, so later starts load the built library at once.
+   ``RUNTIME_NATIVE_ISA`` picks a lower level than the CPU's (an AVX-512 machine then runs and
+   measures the x86-64-v3 build); a level the CPU lacks is refused with a warning.
 2. The wrapper registers the library's handlers with ``jax.ffi.register_ffi_target`` for the
    ``cpu`` platform and calls them with ``jax.ffi.ffi_call``.
 3. No compiler, a failed build, or ``RUNTIME_NATIVE_KERNELS=0`` gives None (logged once): the
@@ -17,13 +20,16 @@ here are XLA FFI handlers (``jax.ffi``) in C++ files beside their Python wrapper
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -31,10 +37,90 @@ import platformdirs
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "RUNTIME_NATIVE_KERNELS"  # "0" turns the native kernels off
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-fno-math-errno")
+ENV_ISA = "RUNTIME_NATIVE_ISA"  # a lower instruction-set level than the CPU's (see cpu_isa)
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-psabi")
 _SOURCES = Path(__file__).resolve().parent
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_paths: dict[str, Path] = {}
 _lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction-set level the kernels are built for: its name in the log and its flags."""
+
+    name: str  # e.g. "x86-64-v3+avxvnni"
+    flags: tuple[str, ...]
+
+
+# Levels from the best down: (name, -march, CPU features it needs, optional extensions as
+# (feature, flag, suffix)). Features are the names Linux prints in /proc/cpuinfo.
+_LEVELS = (
+    (
+        "x86-64-v4",
+        "x86-64-v4",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
+        (("avx512_vnni", "-mavx512vnni", "vnni"), ("avx512vbmi", "-mavx512vbmi", "vbmi")),
+    ),
+    (
+        "x86-64-v3",
+        "x86-64-v3",
+        ("avx2", "fma", "f16c", "bmi2", "movbe"),
+        (("avx_vnni", "-mavxvnni", "avxvnni"),),
+    ),
+    ("aarch64", "armv8.2-a", ("asimd", "fphp"), (("asimddp", "+dotprod", "dotprod"),)),
+    ("generic", "", (), ()),
+)
+
+
+def _cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _level(name: str, march: str, extensions: tuple, features: frozenset[str]) -> Isa:
+    flags, suffix = [], ""
+    arm = name == "aarch64"
+    for feature, flag, label in extensions:
+        if feature in features:
+            suffix += f"+{label}"
+            march += flag if arm else ""
+            flags += [] if arm else [flag]
+    return Isa(name + suffix, (f"-march={march}", *flags) if march else ())
+
+
+@functools.cache
+def cpu_isa() -> Isa:
+    """The best level of ``_LEVELS`` this CPU runs, or the lower one ``RUNTIME_NATIVE_ISA``
+    names (a higher one, or one for another architecture, is refused with a warning)."""
+    features = _cpu_features()
+    machine = platform.machine().lower()
+    usable = [
+        level
+        for level in _LEVELS
+        if all(f in features for f in level[2])
+        and (level[0] == "generic" or (level[0] == "aarch64") == (machine in ("aarch64", "arm64")))
+    ]
+    wanted = os.environ.get(ENV_ISA, "").strip()
+    names = [level[0] for level in usable]
+    if wanted and wanted not in names:
+        logger.warning(
+            "%s=%s is not a level this CPU runs (%s); building for %s",
+            ENV_ISA,
+            wanted,
+            ", ".join(names),
+            names[0],
+        )
+    chosen = usable[names.index(wanted)] if wanted in names else usable[0]
+    return _level(chosen[0], chosen[1], chosen[3], features)
 
 
 def enabled() -> bool:
@@ -42,7 +128,8 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off")
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where built libraries (and the measured choices of ``pallas_kernels.cpu_choice``) live."""
     root = os.environ.get("RUNTIME_CACHE_DIR") or platformdirs.user_cache_dir("jax-llm-runtime")
     return Path(root) / "native"
 
@@ -60,12 +147,13 @@ def _build(name: str, compiler: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
+    flags = (*_FLAGS, *cpu_isa().flags)
     key = hashlib.sha256(
         b"\0".join(
-            (source, " ".join(_FLAGS).encode(), version.encode(), jaxlib.__version__.encode())
+            (source, " ".join(flags).encode(), version.encode(), jaxlib.__version__.encode())
         )
     ).hexdigest()[:20]
-    target = _cache_dir() / f"{name}-{key}.so"
+    target = cache_dir() / f"{name}-{cpu_isa().name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +161,7 @@ def _build(name: str, compiler: str) -> Path:
         built = Path(tmp) / target.name
         command = [
             compiler,
-            *_FLAGS,
+            *flags,
             f"-I{jax.ffi.include_dir()}",
             str(_SOURCES / f"{name}.cc"),
             "-o",
@@ -100,8 +188,15 @@ def load(name: str) -> ctypes.CDLL | None:
             logger.warning("no C++ compiler found: the CPU runs the XLA formulation of %s", name)
         else:
             try:
-                library = ctypes.CDLL(str(_build(name, compiler)))
+                path = _build(name, compiler)
+                library = ctypes.CDLL(str(path))
+                _paths[name] = path
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 logger.warning("native kernel %s unavailable, using XLA: %s", name, exc)
         _loaded[name] = library
         return library
+
+
+def library_path(name: str) -> Path:
+    """The file of the loaded library ``name`` (after ``load(name)`` returned it)."""
+    return _paths[name]

@@ -4,18 +4,21 @@
 the reference because this kernel gathers K/V rows straight from HBM, which Mosaic TPU does not
 lower (see README.md). ``impl="pallas"`` always runs the kernel, interpreted on CPU;
 ``impl="reference"`` always runs the reference. ``impl="native"`` runs the native CPU kernel
-(``native.py``) on CPU when it is built and reads the cache's dtype, else the reference; only a
-caller that knows the step is not split over a device mesh asks for it (XLA's partitioner does
-not split a custom call).
+(``native.py``) on CPU when it is built and reads the cache's dtype, else the reference;
+``impl="cpu"`` does the same where ``cpu_choice.native_wins`` says the kernel was measured faster
+than the reference on this CPU for the call's class (decode or prefill), else runs the
+reference. Only a caller that knows the step is not split over a device mesh asks for either
+(XLA's partitioner does not split a custom call).
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels import cpu_choice
 from pallas_kernels.paged_attention import kernel, native, reference
 
-IMPLS = ("auto", "pallas", "reference", "native")
+IMPLS = ("auto", "pallas", "reference", "native", "cpu")
 
 
 def attention(
@@ -63,8 +66,11 @@ def attention(
             v_scales=v_scales,
             interpret=backend == "cpu",
         )
+    measured = impl == "cpu" and cpu_choice.native_wins(
+        "paged_attention", cpu_choice.attention_class(q.shape[1])
+    )
     run_native = (
-        impl == "native"
+        (impl == "native" or measured)
         and backend == "cpu"
         and native.available()
         and native.supports(q, k_cache, v_cache)

@@ -1,0 +1,184 @@
+"""The native kernels' instruction-set levels and the measured choice between each kernel and
+XLA: the level follows the CPU (or a lower one asked for), every level this CPU runs builds
+kernels that agree with the reference, calibration times every call class, caches its timings
+and sets the verdicts, and the ops follow the verdicts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_choice, native
+from pallas_kernels.dequant_matmul import PackedLayer, ops
+from pallas_kernels.native import calibration
+from pallas_kernels.paged_attention import attention
+
+REPO = Path(__file__).resolve().parents[2]
+needs_kernels = pytest.mark.skipif(
+    not native.enabled() or native.load("dequant_matmul") is None,
+    reason="no C++ compiler built the native kernels here (they build wherever one does, CI "
+    "included)",
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_choice, "_verdicts", {})
+
+
+def _isa(monkeypatch: pytest.MonkeyPatch, features: str, machine: str, wanted: str = ""):
+    monkeypatch.setattr(native, "_cpu_features", lambda: frozenset(features.split()))
+    monkeypatch.setattr(native.platform, "machine", lambda: machine)
+    monkeypatch.setenv(native.ENV_ISA, wanted)
+    native.cpu_isa.cache_clear()
+    try:
+        return native.cpu_isa()
+    finally:
+        native.cpu_isa.cache_clear()
+
+
+AVX512 = "avx2 fma f16c bmi2 movbe avx512f avx512bw avx512vl avx512dq avx512cd"
+
+
+def test_the_level_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _isa(monkeypatch, f"{AVX512} avx512_vnni avx512vbmi avx_vnni", "x86_64")
+    assert full.name == "x86-64-v4+vnni+vbmi"
+    assert full.flags == ("-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi")
+    skylake = _isa(monkeypatch, AVX512, "x86_64")
+    assert skylake.name == "x86-64-v4" and skylake.flags == ("-march=x86-64-v4",)
+    zen3 = _isa(monkeypatch, "avx2 fma f16c bmi2 movbe", "x86_64")
+    assert zen3.name == "x86-64-v3" and zen3.flags == ("-march=x86-64-v3",)
+    alder = _isa(monkeypatch, "avx2 fma f16c bmi2 movbe avx_vnni", "x86_64")
+    assert alder.flags == ("-march=x86-64-v3", "-mavxvnni")
+    graviton = _isa(monkeypatch, "fp asimd fphp asimdhp asimddp", "aarch64")
+    assert graviton.name == "aarch64+dotprod"
+    assert graviton.flags == ("-march=armv8.2-a+dotprod",)
+    old = _isa(monkeypatch, "sse2 sse4_2", "x86_64")
+    assert old.name == "generic" and old.flags == ()
+
+
+def test_a_lower_level_on_request_and_a_higher_one_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    features = f"{AVX512} avx512_vnni avx_vnni"
+    assert _isa(monkeypatch, features, "x86_64", "x86-64-v3").name == "x86-64-v3+avxvnni"
+    assert _isa(monkeypatch, features, "x86_64", "generic").flags == ()
+    with caplog.at_level("WARNING"):
+        assert _isa(monkeypatch, "avx2 fma f16c bmi2 movbe", "x86_64", "x86-64-v4").name == (
+            "x86-64-v3"
+        )
+    assert "RUNTIME_NATIVE_ISA=x86-64-v4 is not a level this CPU runs" in caplog.text
+
+
+LEVEL_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels import native
+from pallas_kernels.native.calibration import _gguf_weight
+from pallas_kernels.dequant_matmul import native as dq, reference
+from gguf import GGMLQuantizationType as T
+print(native.cpu_isa().name)
+rng = np.random.default_rng(0)
+for qtype, rows in ((T.Q4_1, 1), (T.Q8_0, 5), (T.Q4_K, 3)):
+    w = _gguf_weight(qtype, 256, 96, rng)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
+    for int8 in (False, True):
+        got = dq.dequant_matmul(x, w, int8_activations=int8)
+        xq = reference.quantize_activations(x) if int8 else x
+        np.testing.assert_allclose(got, reference.dequant_matmul(xq, w), rtol=2e-4, atol=2e-4)
+print("ok")
+"""
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_the_avx2_build_agrees_with_the_reference_on_an_avx512_cpu() -> None:
+    """The kernels built for x86-64-v3 (AVX2 + FMA: what most x86 machines run) read every
+    format as the reference does, with float and int8 activations. Every other native test
+    runs the build for this CPU's own level; on an AVX-512 CPU this one runs the AVX2 build
+    too (in a fresh process, as ``RUNTIME_NATIVE_ISA`` is read once)."""
+    levels = [level[0] for level in native._LEVELS if _runs_here(level)]
+    if levels[0] != "x86-64-v4":
+        pytest.skip(f"this CPU's own level is {levels[0]}: the other tests run that build")
+    env = {**os.environ, native.ENV_ISA: "x86-64-v3", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", LEVEL_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    name, verdict = run.stdout.split()[-2:]
+    assert name.startswith("x86-64-v3") and verdict == "ok", run.stdout
+
+
+def _runs_here(level: tuple) -> bool:
+    features = native._cpu_features()
+    arm = native.platform.machine().lower() in ("aarch64", "arm64")
+    same_arch = level[0] == "generic" or (level[0] == "aarch64") == arm
+    return same_arch and all(f in features for f in level[2])
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_calibration_times_every_class_caches_and_sets_verdicts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path))
+    timings = calibration.calibrate()
+    assert {k: set(v) for k, v in timings.items()} == {
+        k: set(v) for k, v in cpu_choice.KERNELS.items()
+    }
+    for kernel, classes in timings.items():
+        for call_class, ms in classes.items():
+            assert ms["native"] > 0 and ms["xla"] > 0
+            wins = ms["native"] <= ms["xla"]
+            assert cpu_choice.native_wins(kernel, call_class) is wins
+    assert len(list(tmp_path.glob("native/choice-*.json"))) == 1
+    # A second start reads the file: nothing is measured again.
+    monkeypatch.setattr(cpu_choice, "_verdicts", {})
+    monkeypatch.setattr(calibration, "_MEASURES", {})
+    assert calibration.calibrate() == timings
+    assert cpu_choice._verdicts
+
+
+@needs_kernels
+def test_the_ops_follow_the_verdicts() -> None:
+    rng = np.random.default_rng(0)
+    stack = calibration._gguf_weight(__import__("gguf").GGMLQuantizationType.Q4_1, 256, 64, rng)
+    stack = jax.tree.map(lambda a: a[None], stack)  # one layer
+    x = jnp.ones((1, 256), jnp.float32)
+
+    def dequant_hlo() -> str:
+        fn = lambda x: ops.dequant_matmul(x, PackedLayer(stack, jnp.int32(0)))  # noqa: E731
+        return jax.jit(fn).lower(x).as_text()
+
+    assert "runtime_dequant_matmul_" in dequant_hlo()
+    cpu_choice.set_verdicts({("dequant_matmul", "one_row"): False})
+    assert "runtime_dequant_matmul_" not in dequant_hlo()
+
+    q = jnp.ones((2, 1, 4, 16), jnp.float32)
+    cache = jnp.ones((1, 8, 16, 2, 16), jnp.float32)
+    pages = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    args = (
+        q,
+        cache,
+        cache,
+        jnp.int32(0),
+        jnp.zeros((2, 1), jnp.int32),
+        pages,
+        jnp.ones(2, jnp.int32),
+    )
+
+    def attention_hlo() -> str:
+        return jax.jit(lambda *a: attention(*a, scale=0.25, impl="cpu")).lower(*args).as_text()
+
+    assert "runtime_paged_attention_" in attention_hlo()
+    cpu_choice.set_verdicts({("paged_attention", "decode"): False})
+    assert "runtime_paged_attention_" not in attention_hlo()
+    # impl="native" still forces the kernel (its own tests rely on it).
+    forced = jax.jit(lambda *a: attention(*a, scale=0.25, impl="native")).lower(*args).as_text()
+    assert "runtime_paged_attention_" in forced
