@@ -57,22 +57,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;    // floats per vector (one AVX-512 register)
+// Floats per vector: one register of the instruction set built for (GCC
+// expands a wider generic vector one piece at a time, through memory: 16-lane
+// vectors ran 10x slower than XLA's dot on AVX2).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // AVX-512
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;   // AVX2
+#else
+constexpr int kLanes = 4;   // SSE2, NEON
+#endif
 constexpr int kRun = 32;      // codes per packed run along `in`
 constexpr int kHalf = 16;     // the finest group the kernel reads (k-quants' sub-blocks)
 constexpr int kMaxBlock = 1024;  // output columns per work item at most
 constexpr int kMaxRows = 8;   // rows of x per pass at most
 constexpr int kRowBlock = kMaxRows;  // rows of x side by side in the int8 layout
-// A 16-lane Vec is one AVX-512 register (32 of them) but two AVX2 ones (16 in
-// all): below AVX-512 a pass keeps half the accumulators and takes up to 4
-// rows, or its accumulators spill (8 rows ran 13x slower than XLA's dot).
-#if defined(__AVX512F__)
-constexpr int kAccs = 8;     // accumulator vectors a pass keeps in registers
-constexpr int kMaxPick = 3;  // a pass takes up to 1 << kMaxPick rows of x
-#else
-constexpr int kAccs = 4;
-constexpr int kMaxPick = 2;
-#endif
 constexpr int kQuads = kRun / 4;     // int8 codes of x four to an int32
 constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
 // A lone row of x streams plane rows of up to kStreamRowBytes (a page: longer
@@ -99,29 +98,19 @@ inline Vec Splat(float x) {
 #endif
 }
 
+
 inline Vec ToFloat(IVec v) { return __builtin_convertvector(v, Vec); }
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
-// Two 8-lane AVX2 halves as one 16-lane vector (GCC keeps it in two registers).
-template <typename V>
-inline V Join(__m256i lo, __m256i hi) {
-  V v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
-}
-#endif
 
-// Widening loads of 16 bytes. GCC lowers __builtin_convertvector of bytes one
-// lane at a time, so AVX-512 and AVX2 get their instructions.
+// Widening loads of kLanes bytes. GCC lowers __builtin_convertvector of bytes
+// one lane at a time, so AVX-512 and AVX2 get their instructions.
 inline IVec LoadU8(const uint8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<IVec>(
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
-  return Join<IVec>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-                    _mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  return reinterpret_cast<IVec>(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
   U8x16 b;
   std::memcpy(&b, p, sizeof b);
@@ -134,9 +123,8 @@ inline Vec LoadI8(const int8_t* p) {
   return ToFloat(reinterpret_cast<IVec>(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #elif defined(__AVX2__)
-  return ToFloat(
-      Join<IVec>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-                 _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+  return ToFloat(reinterpret_cast<IVec>(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #else
   I8x16 b;
   std::memcpy(&b, p, sizeof b);
@@ -172,9 +160,8 @@ inline Vec LoadF16(const uint16_t* p) {
   return reinterpret_cast<Vec>(
       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__AVX2__) && defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  return Join<Vec>(_mm256_castps_si256(lo), _mm256_castps_si256(hi));
+  return reinterpret_cast<Vec>(
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
   float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = HalfToFloat(p[i]);
@@ -292,7 +279,7 @@ template <int B0, int B1, int Rows, bool Fine>
 void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
   constexpr int kHalves = Fine ? 2 : 1;
-  constexpr int kChains = Rows * kHalves >= kAccs ? 1 : kAccs / (Rows * kHalves);
+  constexpr int kChains = Rows * kHalves >= 8 ? 1 : 8 / (Rows * kHalves);
   const Weight& w = p.w;
   const int64_t width = end - col, halves = w.k / kHalf;
   const float* x = p.x + r0 * w.k;
@@ -690,7 +677,7 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
     q = &copy;
   }
   for (int64_t r0 = 0; r0 < p.rows && vector_end > col;) {
-    int pick = kMaxPick;
+    int pick = 3;  // 8 rows
     while ((int64_t{1} << pick) > p.rows - r0) --pick;
     const PassFn* pick_from = p.xq ? (fine ? passes.fine_q8 : passes.whole_q8)
                                    : (fine ? passes.fine : passes.whole);
