@@ -97,20 +97,23 @@ def _level(name: str, march: str, extensions: tuple, features: frozenset[str]) -
     return Isa(name + suffix, (f"-march={march}", *flags) if march else ())
 
 
+def levels_here() -> list[str]:
+    """The names of the levels of ``_LEVELS`` this CPU runs, best first ("generic" last)."""
+    features = _cpu_features()
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    return [
+        name
+        for name, _, needs, _ in _LEVELS
+        if all(f in features for f in needs) and (name == "generic" or (name == "aarch64") == arm)
+    ]
+
+
 @functools.cache
 def cpu_isa() -> Isa:
     """The best level of ``_LEVELS`` this CPU runs, or the lower one ``RUNTIME_NATIVE_ISA``
     names (a higher one, or one for another architecture, is refused with a warning)."""
-    features = _cpu_features()
-    machine = platform.machine().lower()
-    usable = [
-        level
-        for level in _LEVELS
-        if all(f in features for f in level[2])
-        and (level[0] == "generic" or (level[0] == "aarch64") == (machine in ("aarch64", "arm64")))
-    ]
+    names = levels_here()
     wanted = os.environ.get(ENV_ISA, "").strip()
-    names = [level[0] for level in usable]
     if wanted and wanted not in names:
         logger.warning(
             "%s=%s is not a level this CPU runs (%s); building for %s",
@@ -119,8 +122,10 @@ def cpu_isa() -> Isa:
             ", ".join(names),
             names[0],
         )
-    chosen = usable[names.index(wanted)] if wanted in names else usable[0]
-    return _level(chosen[0], chosen[1], chosen[3], features)
+    name, march, _, extensions = next(
+        level for level in _LEVELS if level[0] == (wanted if wanted in names else names[0])
+    )
+    return _level(name, march, extensions, _cpu_features())
 
 
 def enabled() -> bool:

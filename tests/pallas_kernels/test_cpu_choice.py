@@ -103,7 +103,7 @@ def test_the_avx2_build_agrees_with_the_reference_on_an_avx512_cpu() -> None:
     format as the reference does, with float and int8 activations. Every other native test
     runs the build for this CPU's own level; on an AVX-512 CPU this one runs the AVX2 build
     too (in a fresh process, as ``RUNTIME_NATIVE_ISA`` is read once)."""
-    levels = [level[0] for level in native._LEVELS if _runs_here(level)]
+    levels = native.levels_here()
     if levels[0] != "x86-64-v4":
         pytest.skip(f"this CPU's own level is {levels[0]}: the other tests run that build")
     env = {**os.environ, native.ENV_ISA: "x86-64-v3", "PYTHONPATH": str(REPO)}
@@ -113,13 +113,6 @@ def test_the_avx2_build_agrees_with_the_reference_on_an_avx512_cpu() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     name, verdict = run.stdout.split()[-2:]
     assert name.startswith("x86-64-v3") and verdict == "ok", run.stdout
-
-
-def _runs_here(level: tuple) -> bool:
-    features = native._cpu_features()
-    arm = native.platform.machine().lower() in ("aarch64", "arm64")
-    same_arch = level[0] == "generic" or (level[0] == "aarch64") == arm
-    return same_arch and all(f in features for f in level[2])
 
 
 @needs_kernels
