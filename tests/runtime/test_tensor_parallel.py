@@ -24,15 +24,21 @@ BASE = {**TINY, "vocab_size": VOCAB_SIZE, "pad_token_id": 0, "bos_token_id": 256
 BASE["eos_token_id"] = None  # random weights: every run takes the whole budget
 
 
-def run_sharded(folder: Path, sizes: str, extra: dict | None = None) -> dict[str, dict]:
+def run_on_four_devices(script: str, *args: str) -> dict[str, dict]:
+    """Run ``tests/runtime/<script>`` with ``args`` in a fresh process that sees 4 fake CPU
+    devices; its last line of output, as JSON."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     env["PYTHONPATH"] = str(REPO)
-    args = [sys.executable, str(REPO / "tests/runtime/tensor_parallel_run.py"), str(folder), sizes]
-    out = subprocess.run(
-        [*args, json.dumps(extra or {})], env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, str(REPO / "tests/runtime" / script), *args]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_sharded(folder: Path, sizes: str, extra: dict | None = None) -> dict[str, dict]:
+    return run_on_four_devices(
+        "tensor_parallel_run.py", str(folder), sizes, json.dumps(extra or {})
+    )
 
 
 def check_split(results: dict[str, dict]) -> None:
@@ -184,18 +190,7 @@ def test_every_step_bucket_takes_the_inputs_the_runner_passes(tmp_path: Path) ->
     )
     save_random_model(config, tmp_path)
     save_byte_tokenizer(tmp_path)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    env["PYTHONPATH"] = str(REPO)
-    script = str(REPO / "tests/runtime/step_shardings_run.py")
-    out = subprocess.run(
-        [sys.executable, script, str(tmp_path), "1,2,3"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_on_four_devices("step_shardings_run.py", str(tmp_path), "1,2,3")
     for size, result in results.items():
         assert result["buckets"] > 4, size
         assert result["mismatches"] == [], f"tp {size}"
