@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -37,8 +38,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;   // floats per vector (one AVX-512 register)
-constexpr int kBlock = 16;   // keys per online-softmax step: one vector of scores
+// Floats per vector: one register of the instruction set built for (GCC
+// expands a wider generic vector one piece at a time, through memory).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // AVX-512
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;   // AVX2
+#else
+constexpr int kLanes = 4;   // SSE2, NEON
+#endif
+constexpr int kBlock = kLanes;  // keys per online-softmax step: one vector of scores
 constexpr int64_t kInlineRows = 4096;  // calls reading fewer K rows stay on one thread
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -243,20 +252,30 @@ inline const float* RowAsFloat(const Problem& p, const uint8_t* cache, const flo
   return ConvertRow(p, cache, scales, row, buffer);
 }
 
+// Lane shuffles of two vectors by index packs fixed at compile time.
+template <int... I>
+inline Vec Shuffle(Vec a, Vec b, std::integer_sequence<int, I...>) {
 #if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+  return __builtin_shufflevector(a, b, I...);
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, IVec{__VA_ARGS__})
+  return __builtin_shuffle(a, b, IVec{I...});
 #endif
+}
 
-// Lane 0 (and every lane) of the result: op over v's sixteen lanes, as a tree.
-template <typename Op>
+template <int S, int... I>
+inline Vec SwapLanes(Vec v, std::integer_sequence<int, I...>) {  // lane i <- lane i ^ S
+  return Shuffle(v, v, std::integer_sequence<int, (I ^ S)...>{});
+}
+
+// Lane 0 (and every lane) of the result: op over v's lanes, as a tree.
+template <int S = kLanes / 2, typename Op>
 inline float Reduce(Vec v, Op op) {
-  v = op(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = op(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = op(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = op(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
+  v = op(v, SwapLanes<S>(v, std::make_integer_sequence<int, kLanes>{}));
+  if constexpr (S > 1) {
+    return Reduce<S / 2>(v, op);
+  } else {
+    return v[0];
+  }
 }
 
 inline float Sum(Vec v) {
@@ -267,34 +286,38 @@ inline float Max(Vec v) {
   return Reduce(v, [](Vec a, Vec b) { return a > b ? a : b; });
 }
 
-// Lanes 0-7: a's lane i plus its lane i + 8; lanes 8-15: the same of b.
-inline Vec FoldHalves(Vec a, Vec b) {
-  return SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// a and b each hold kLanes / G keys' sums over G lanes per key; the result
+// holds the keys of a then b, each summed to G / 2 lanes (a key's first half
+// of lanes plus its second). G = kLanes starts from one key per vector; after
+// G = 2 the result holds one total per lane.
+template <int G, int... I>
+inline Vec FoldImpl(Vec a, Vec b, std::integer_sequence<int, I...>) {
+  constexpr int H = G / 2;
+  return Shuffle(a, b, std::integer_sequence<int, (I / H * G + I % H)...>{}) +
+         Shuffle(a, b, std::integer_sequence<int, (I / H * G + I % H + H)...>{});
 }
 
-// a, b each hold two keys' 8-lane partial sums: four keys' 4-lane sums.
-inline Vec FoldQuarters(Vec a, Vec b) {
-  return SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+template <int G>
+inline Vec Fold(Vec a, Vec b) {
+  return FoldImpl<G>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
-// a, b each hold four keys' 4-lane sums: eight keys' 2-lane sums.
-inline Vec FoldPairs(Vec a, Vec b) {
-  return SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-
-// a, b each hold eight keys' 2-lane sums: sixteen keys' totals, key b in lane b.
-inline Vec FoldLanes(Vec a, Vec b) {
-  return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+// Folds n vectors of keys at G lanes each, pairwise, down to one vector of
+// kLanes totals (key b in lane b).
+template <int G>
+inline Vec FoldAll(Vec* v, int n) {
+  for (int i = 0; i < n / 2; ++i) v[i] = Fold<G>(v[2 * i], v[2 * i + 1]);
+  if constexpr (G > 2) {
+    return FoldAll<G / 2>(v, n / 2);
+  } else {
+    return v[0];
+  }
 }
 
 // scores[r], lane b: q row r . k_rows[b], for R query rows (padded_dim apart)
 // and a block of kBlock keys (DP: padded_dim when fixed at compile time, else
 // 0). Each key's products stay a vector until one transpose-and-add tree sums
-// all sixteen at once; the rows share every K load.
+// all kBlock at once; the rows share every K load.
 template <int R, int DP>
 void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime, Vec* scores) {
   static_assert(kBlock == kLanes, "one score per lane");
@@ -313,14 +336,9 @@ void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime,
         b[r] += qc * k1c;
       }
     }
-    for (int r = 0; r < R; ++r) halves[r][i] = FoldHalves(a[r], b[r]);
+    for (int r = 0; r < R; ++r) halves[r][i] = Fold<kLanes>(a[r], b[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    const Vec* h = halves[r];
-    const Vec q0 = FoldQuarters(h[0], h[1]), q1 = FoldQuarters(h[2], h[3]);
-    const Vec q2 = FoldQuarters(h[4], h[5]), q3 = FoldQuarters(h[6], h[7]);
-    scores[r] = FoldLanes(FoldPairs(q0, q1), FoldPairs(q2, q3));
-  }
+  for (int r = 0; r < R; ++r) scores[r] = FoldAll<kLanes / 2>(halves[r], kBlock / 2);
 }
 
 // One online-softmax step of R query rows (padded_dim apart in q and acc)
