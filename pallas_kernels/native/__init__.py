@@ -73,17 +73,23 @@ _LEVELS = (
 )
 
 
-def _cpu_features() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+def cpuinfo(*keys: str) -> str:
+    """The value of the first line of /proc/cpuinfo whose key is one of ``keys`` ("" where
+    there is no such line or no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value.strip()
+    return ""
+
+
+def _cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    return frozenset(cpuinfo("flags", "Features").split())
 
 
 def _level(name: str, march: str, extensions: tuple, features: frozenset[str]) -> Isa:

@@ -84,23 +84,13 @@ def _cache_path(kernels: list[str]) -> Path:
     facts = [
         *libraries,
         jaxlib.__version__,
-        _cpu_model(),
+        native.cpuinfo("model name") or "unknown",
         str(os.cpu_count()),
         os.environ.get("XLA_FLAGS", ""),
         _VERSION,
     ]
     key = hashlib.sha256("\0".join(facts).encode()).hexdigest()[:20]
     return native.cache_dir() / f"choice-{key}.json"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _read(path: Path, kernels: list[str]) -> dict[str, Any] | None:
@@ -130,7 +120,7 @@ def _ms(fn: Callable[..., Any], *args: Any) -> float:
     """Best average milliseconds per call of jitted ``fn`` over 5 rounds (after a warm call)."""
     fn = jax.jit(fn)
     jax.block_until_ready(fn(*args))
-    calls, best = 1, float("inf")
+    best = float("inf")
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     # Rounds of at least ~10 ms, so a fast kernel is not timed by the clock's resolution.
