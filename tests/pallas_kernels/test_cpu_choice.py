@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from pallas_kernels import cpu_choice, native
 from pallas_kernels.dequant_matmul import PackedLayer, ops
@@ -141,7 +142,7 @@ def test_calibration_times_every_class_caches_and_sets_verdicts(
 @needs_kernels
 def test_the_ops_follow_the_verdicts() -> None:
     rng = np.random.default_rng(0)
-    stack = calibration._gguf_weight(__import__("gguf").GGMLQuantizationType.Q4_1, 256, 64, rng)
+    stack = calibration._gguf_weight(GGMLQuantizationType.Q4_1, 256, 64, rng)
     stack = jax.tree.map(lambda a: a[None], stack)  # one layer
     x = jnp.ones((1, 256), jnp.float32)
 
