@@ -9,8 +9,9 @@ here are XLA FFI handlers (``jax.ffi``) in C++ files beside their Python wrapper
    and VBMI where present, x86-64-v3 with AVX-VNNI where present, aarch64 with the dot-product
    extension, else a generic build) into the runtime's cache folder, keyed by the source, the
    flags, the compiler and jaxlib, so later starts load the built library at once.
-   ``RUNTIME_NATIVE_ISA`` picks a lower level than the CPU's (an AVX-512 machine then runs and
-   measures the x86-64-v3 build); a level the CPU lacks is refused with a warning.
+   ``RUNTIME_NATIVE_ISA`` names another build the CPU runs, as the log names them: a lower level
+   and which of its extensions to use (an AVX-512 machine then runs and measures the plain
+   x86-64-v3 build, or "x86-64-v3+avxvnni"); one the CPU lacks is refused with a warning.
 2. The wrapper registers the library's handlers with ``jax.ffi.register_ffi_target`` for the
    ``cpu`` platform and calls them with ``jax.ffi.ffi_call``.
 3. No compiler, a failed build, or ``RUNTIME_NATIVE_KERNELS=0`` gives None (logged once): the
@@ -37,7 +38,7 @@ import platformdirs
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "RUNTIME_NATIVE_KERNELS"  # "0" turns the native kernels off
-ENV_ISA = "RUNTIME_NATIVE_ISA"  # a lower instruction-set level than the CPU's (see cpu_isa)
+ENV_ISA = "RUNTIME_NATIVE_ISA"  # another build than the CPU's best (see cpu_isa)
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-psabi")
 _SOURCES = Path(__file__).resolve().parent
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -93,6 +94,7 @@ def _cpu_features() -> frozenset[str]:
 
 
 def _level(name: str, march: str, extensions: tuple, features: frozenset[str]) -> Isa:
+    """Level ``name`` with those of its ``extensions`` whose feature is in ``features``."""
     flags, suffix = [], ""
     arm = name == "aarch64"
     for feature, flag, label in extensions:
@@ -116,22 +118,31 @@ def levels_here() -> list[str]:
 
 @functools.cache
 def cpu_isa() -> Isa:
-    """The best level of ``_LEVELS`` this CPU runs, or the lower one ``RUNTIME_NATIVE_ISA``
-    names (a higher one, or one for another architecture, is refused with a warning)."""
+    """The best level of ``_LEVELS`` this CPU runs, with every extension of it the CPU has; or
+    the build ``RUNTIME_NATIVE_ISA`` names as the log names builds, a level and the extensions
+    to use ("x86-64-v3" is plain AVX2, "x86-64-v3+avxvnni" adds AVX-VNNI). A level or an
+    extension this CPU lacks is refused with a warning."""
     names = levels_here()
+    features = _cpu_features()
+    level = {entry[0]: entry for entry in _LEVELS}
+    best = level[names[0]]
     wanted = os.environ.get(ENV_ISA, "").strip()
-    if wanted and wanted not in names:
-        logger.warning(
-            "%s=%s is not a level this CPU runs (%s); building for %s",
-            ENV_ISA,
-            wanted,
-            ", ".join(names),
-            names[0],
-        )
-    name, march, _, extensions = next(
-        level for level in _LEVELS if level[0] == (wanted if wanted in names else names[0])
+    if not wanted:
+        return _level(best[0], best[1], best[3], features)
+    name, *labels = wanted.split("+")
+    if name in names:
+        extensions = {label: ext for ext in level[name][3] for label in [ext[2]]}
+        chosen = [extensions.get(label) for label in labels]
+        if all(ext is not None and ext[0] in features for ext in chosen):
+            return _level(name, level[name][1], tuple(chosen), features)
+    logger.warning(
+        "%s=%s is not a build this CPU runs (levels %s); building for %s",
+        ENV_ISA,
+        wanted,
+        ", ".join(names),
+        _level(best[0], best[1], best[3], features).name,
     )
-    return _level(name, march, extensions, _cpu_features())
+    return _level(best[0], best[1], best[3], features)
 
 
 def enabled() -> bool:

@@ -50,6 +50,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -341,8 +344,8 @@ void Pass(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restr
     std::memcpy(p.y + (r0 + r) * w.n + col, out + r * width, sizeof(float) * width);
 }
 
-// Four plane rows (row, row + stride, ...) at 16 columns, transposed so that
-// byte t of lane c is row t's byte of column c.
+// Four plane rows (row, row + stride, ...) at kLanes columns, transposed so
+// that byte t of lane c is row t's byte of column c.
 inline UVec Gather4(const uint8_t* row, int64_t stride) {
 #if defined(__AVX512VBMI__)
   alignas(64) static const uint8_t kTranspose[64] = {
@@ -357,6 +360,16 @@ inline UVec Gather4(const uint8_t* row, int64_t stride) {
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * stride)),
                          3);
   return reinterpret_cast<UVec>(_mm512_permutexvar_epi8(_mm512_load_si512(kTranspose), v));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  // Eight columns of each row, interleaved bytewise (rows 0/1 and 2/3), then
+  // pairwise: columns 0-3 in the low half, 4-7 in the high half.
+  const __m128i r0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row));
+  const __m128i r1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + stride));
+  const __m128i r2 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 2 * stride));
+  const __m128i r3 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 3 * stride));
+  const __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpacklo_epi8(r2, r3);
+  return reinterpret_cast<UVec>(
+      _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b)));
 #else
   const UVec b0 = reinterpret_cast<UVec>(LoadU8(row));
   const UVec b1 = reinterpret_cast<UVec>(LoadU8(row + stride));
@@ -374,12 +387,64 @@ inline UVec FieldBytes(UVec v, int shift, int width) {
 }
 
 // acc + the sums, per lane, of its four unsigned bytes of w times the four
-// signed bytes of x4.
+// signed bytes of x. Wide: codes of 8 bits (else at most 7, so that a
+// saturating 16-bit pair sum, 2 * 127 * 127, cannot overflow).
+//   AVX-512 VNNI, AVX-VNNI: one vpdpbusd.
+//   AVX-512BW, AVX2: vpmaddubsw (pairs to int16) and vpmaddwd by ones (to
+//     int32); wide codes instead split into even and odd bytes as int16 and
+//     two vpmaddwd with x's even and odd codes, which cannot saturate.
+//   NEON with dotprod: sdot on the codes as signed bytes (wide codes offset
+//     by 128, added back as 128 times the sum of x's four codes).
+//   Otherwise four multiply-adds per lane.
+template <bool Wide>
 inline IVec Dot4(IVec acc, UVec w, int32_t x) {
+#if defined(__AVX512VNNI__) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
 #if defined(__AVX512VNNI__)
   return reinterpret_cast<IVec>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
                                                     reinterpret_cast<__m512i>(w),
                                                     _mm512_set1_epi32(x)));
+#else
+  return reinterpret_cast<IVec>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc),
+                                                        reinterpret_cast<__m256i>(w),
+                                                        _mm256_set1_epi32(x)));
+#endif
+#elif defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512BW__)
+#define DOT4_OP(name) _mm512_##name
+  typedef __m512i Reg;
+#else
+#define DOT4_OP(name) _mm256_##name
+  typedef __m256i Reg;
+#endif
+  Reg sum;
+  if constexpr (Wide) {
+    const auto code = [x](int t) { return static_cast<uint32_t>(static_cast<uint16_t>(
+                                       static_cast<int16_t>(static_cast<int8_t>(x >> (8 * t))))); };
+    const Reg even = DOT4_OP(madd_epi16)(reinterpret_cast<Reg>(w & 0x00ff00ffu),
+                                         DOT4_OP(set1_epi32)(code(0) | code(2) << 16));
+    const Reg odd = DOT4_OP(madd_epi16)(reinterpret_cast<Reg>((w >> 8) & 0x00ff00ffu),
+                                        DOT4_OP(set1_epi32)(code(1) | code(3) << 16));
+    sum = DOT4_OP(add_epi32)(even, odd);
+  } else {
+    sum = DOT4_OP(madd_epi16)(DOT4_OP(maddubs_epi16)(reinterpret_cast<Reg>(w), DOT4_OP(set1_epi32)(x)),
+                              DOT4_OP(set1_epi16)(1));
+  }
+#undef DOT4_OP
+  return acc + reinterpret_cast<IVec>(sum);
+#elif defined(__ARM_FEATURE_DOTPROD)
+  const int8x16_t xs = vreinterpretq_s8_s32(vdupq_n_s32(x));
+  if constexpr (Wide) {
+    const int32_t total = static_cast<int8_t>(x) + static_cast<int8_t>(x >> 8) +
+                          static_cast<int8_t>(x >> 16) + static_cast<int8_t>(x >> 24);
+    const int8x16_t ws = vreinterpretq_s8_u32(veorq_u32(reinterpret_cast<uint32x4_t>(w),
+                                                        vdupq_n_u32(0x80808080u)));
+    return reinterpret_cast<IVec>(vdotq_s32(reinterpret_cast<int32x4_t>(acc), ws, xs)) +
+           128 * total;
+  } else {
+    return reinterpret_cast<IVec>(vdotq_s32(reinterpret_cast<int32x4_t>(acc),
+                                            vreinterpretq_s8_u32(reinterpret_cast<uint32x4_t>(w)),
+                                            xs));
+  }
 #else
   for (int t = 0; t < 4; ++t) {
     const IVec wt = reinterpret_cast<IVec>((w >> (8 * t)) & 0xffu);
@@ -428,7 +493,7 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
           for (int r = 0; r < Rows; ++r) acc[r] = IVec{};
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r)
-          acc[r] = Dot4(acc[r], q, xq[(run * kQuads + i / 4) * kRowBlock + r]);
+          acc[r] = Dot4<(B0 + B1 >= 8)>(acc[r], q, xq[(run * kQuads + i / 4) * kRowBlock + r]);
         if ((i + 4) % kGroup == 0) {  // the group's last codes: scale its dots into y
           const int half = 2 * run + i / kHalf;
           Vec s, o;
