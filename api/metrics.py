@@ -42,6 +42,10 @@ class _EngineCollector(Collector):
                 "Free KV cache pages that still hold a reusable prefix.",
                 "num_pages_cached",
             ),
+            "compiling": (
+                "1 while step shapes still compile in the background after start (per replica).",
+                "num_compiling",
+            ),
         }
         counters = {
             "num_preemptions": (

@@ -163,6 +163,7 @@ class Engine:
             num_prefix_cache_queries=scheduler.num_cache_queried_tokens,
             num_prefix_cache_hits=scheduler.num_cache_hit_tokens,
             num_pages_cached=scheduler.allocator.num_cached,
+            num_compiling=int(not self.compile_done.is_set()),
         )
 
     # -- requests ----------------------------------------------------------------------------

@@ -18,6 +18,9 @@ class EngineStats:
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
     num_pages_cached: int = 0
+    # 1 while step shapes still compile in the background after start (requests are served
+    # meanwhile, on CPU sharing its cores); replicas are summed.
+    num_compiling: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_running", "num_waiting", "num_pages_total", "num_pages_free"):

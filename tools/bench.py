@@ -4,7 +4,9 @@ For each concurrency level C, C workers send `--num-requests` streaming requests
 (a worker sends its next request when the previous one finishes). Every request starts with a tag
 unique to this run, so no server answers from a prefix cache filled by an earlier level or an
 earlier run (shared chat template prefixes still may be). Each server first gets one warm-up
-request shaped like the workload (same prompt length), so compiling for that shape is not timed.
+request shaped like the workload (same prompt length), so compiling for that shape is not timed;
+before it, the bench waits while our server reports shapes compiling in the background
+(`runtime_compiling` in /metrics), which on a CPU would share the cores with the timed steps.
 
 Workload:
 
@@ -332,6 +334,34 @@ def num_requests_for(concurrency: int, requested: int | None) -> int:
     return requested if requested is not None else max(8, 2 * concurrency)
 
 
+COMPILE_WAIT_S = 900.0
+
+
+async def wait_for_background_compile(client: httpx.AsyncClient, target: Target) -> None:
+    """Wait while the server reports step shapes compiling in the background (our /metrics'
+    ``runtime_compiling``): on a CPU that compile shares the cores with the steps being timed.
+    A server without the metric (the peer) is not waited for."""
+    root = target.base_url.removesuffix("/v1")
+    start = time.monotonic()
+    while time.monotonic() - start < COMPILE_WAIT_S:
+        try:
+            resp = await client.get(f"{root}/metrics", headers=target.headers)
+        except httpx.HTTPError:
+            return
+        values = [
+            float(line.split()[-1])
+            for line in resp.text.splitlines()
+            if line.startswith("runtime_compiling{")
+        ]
+        if resp.status_code != 200 or not values or not any(values):
+            waited = time.monotonic() - start
+            if waited > 0.5:
+                print(f"[{target.name}] waited {waited:.0f}s for its background compile", flush=True)
+            return
+        await asyncio.sleep(1.0)
+    raise SystemExit(f"error: {target.base_url} still compiling after {COMPILE_WAIT_S:.0f}s")
+
+
 async def bench_server(
     target: Target, workload: Workload, args: argparse.Namespace
 ) -> ServerResult:
@@ -341,6 +371,7 @@ async def bench_server(
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = target.model or await first_model_id(client, target)
+        await wait_for_background_compile(client, target)
         print(f"[{target.name}] {target.base_url} model={model}: warm-up", flush=True)
         tag = secrets.token_hex(4)
         warm_tokens = min(WARMUP_MAX_TOKENS, workload.output_len)

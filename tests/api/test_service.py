@@ -92,6 +92,7 @@ def test_metrics_move_after_a_request(client: Client) -> None:
         "runtime_num_requests_waiting",
         "runtime_kv_pages_used",
         "runtime_kv_pages_free",
+        "runtime_compiling",
         "runtime_num_preemptions_total",
         "runtime_prompt_tokens_total",
         "runtime_generation_tokens_total",
