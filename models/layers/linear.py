@@ -24,10 +24,12 @@ the activations' own dtype everywhere, which keeps every request's tokens indepe
 batch.
 
 "int8" rounds the activations to int8 blocks of 32 values with one float32 scale each
-(``reference.quantize_activations``, llama.cpp's rounding for its quantized dot products), again
-except a single row. Packed weights then multiply in the native CPU kernel's integer dots (VNNI)
-for any number of rows, and the packed LM head too; elsewhere (other backends, ``QuantizedWeight``)
-the rounded values multiply in float32, which gives the same numbers more slowly.
+(``reference.quantize_activations``, llama.cpp's rounding for its quantized dot products), a
+single row too: each row's rounding and integer sums are its own, so a request's tokens do not
+depend on its batch (``tests/runtime/test_sampling_smollm2.py``). Packed weights then multiply in
+the native CPU kernel's integer dots for any number of rows, and the packed LM head too; elsewhere
+(other backends, ``QuantizedWeight``) the rounded values multiply in float32, which gives the
+same numbers more slowly.
 """
 
 from __future__ import annotations
@@ -93,16 +95,16 @@ def linear(
 
 def int8_operands(x: jax.Array, operand_dtype: str | None) -> bool:
     """Whether a packed weight's dot rounds ``x`` to int8 (see the module docstring)."""
-    return operand_dtype == "int8" and x.size != x.shape[-1]
+    return operand_dtype == "int8"
 
 
 def _operands(x: jax.Array, operand_dtype: str | None) -> jax.Array:
-    """``x`` rounded to a quantized weight's operand dtype, except a single row (see the module
-    docstring)."""
-    if operand_dtype is None or x.size == x.shape[-1]:
-        return x
+    """``x`` rounded to a quantized weight's operand dtype (bfloat16: except a single row; see
+    the module docstring)."""
     if operand_dtype == "int8":
         return quantize_activations(x)
+    if operand_dtype is None or x.size == x.shape[-1]:
+        return x
     return x.astype(operand_dtype)
 
 

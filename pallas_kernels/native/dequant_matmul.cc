@@ -725,7 +725,15 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   // one row after another, which also serves every pass after the first.
   Problem copy;
   const Problem* q = &p;
-  if (p.xq && vector_end > col) {
+  // A lone row reads in place: its one pass over the block would read the copy
+  // once, after the copy itself (a SmolLM2 decode step of one sequence: 8.3 ms
+  // with the copy, 7.4 ms without).
+  if (p.xq && vector_end > col && p.rows == 1) {
+    copy = p;
+    copy.w.pn = p.w.n;
+    copy.w.pc = 0;
+    q = &copy;
+  } else if (p.xq && vector_end > col) {
     thread_local std::vector<uint8_t> panel;
     const int64_t width = vector_end - col;
     const int64_t rows0 = p.w.k * p.w.b0 / 8, rows1 = p.w.k * p.w.b1 / 8;

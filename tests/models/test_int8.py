@@ -61,8 +61,8 @@ def test_quantize_int8_error_is_bounded() -> None:
 
 def test_int8_operands_round_the_activations_of_int8_weights() -> None:
     """--matmul-dtype int8 with --isq int8: the activations are rounded as for packed weights
-    (blocks of 32, one scale each) and multiply the int8 weight in float32; one row keeps its
-    float activations (a lone decoding sequence)."""
+    (blocks of 32, one scale each) and multiply the int8 weight in float32; a lone row (one
+    sequence decoding alone) is rounded the same, so its output does not depend on its batch."""
     import jax.numpy as jnp
 
     from models.layers.linear import linear
@@ -75,4 +75,4 @@ def test_int8_operands_round_the_activations_of_int8_weights() -> None:
     rounded = np.asarray(quantize_activations(x), np.float64)
     assert not np.allclose(rounded, np.asarray(x))
     np.testing.assert_allclose(np.asarray(linear(x, q)), rounded @ dequant, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(linear(x[:1], q)), np.asarray(x[:1]) @ dequant, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(linear(x[:1], q)), rounded[:1] @ dequant, atol=1e-4)

@@ -59,8 +59,39 @@ def run_all(engine, jobs):
     return asyncio.run(main())
 
 
+@pytest.fixture(scope="module")
+def int8_engine(smollm2_gguf):
+    """The same model with int8 activations (``--matmul-dtype int8``)."""
+    from runtime.builder import build_engine
+    from runtime.config import EngineConfig
+
+    engine = build_engine(
+        EngineConfig(
+            model_id=str(smollm2_gguf),
+            max_num_seqs=8,
+            max_model_len=512,
+            dtype="float32",
+            matmul_dtype="int8",
+        )
+    )
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 def test_output_is_the_same_alone_and_in_a_mixed_batch(engine, variant):
+    check_batch_invariance(engine, variant)
+
+
+@pytest.mark.parametrize("variant", [0, 1])
+def test_int8_activations_are_batch_invariant_too(int8_engine, variant):
+    """A lone decoding row is rounded to int8 like a batch's rows, so its tokens and logprobs
+    do not depend on whether it decodes alone (greedy, and seeded sampling)."""
+    check_batch_invariance(int8_engine, variant)
+
+
+def check_batch_invariance(engine, variant):
     ids = chat_ids(engine, PROMPTS[variant % len(PROMPTS)])
     [alone] = run_all(engine, [(ids, VARIANTS[variant])])
     others = [v for i, v in enumerate(VARIANTS) if i != variant][:3]
