@@ -33,6 +33,10 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         raise bad_request(f"Invalid request body: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # invalid UTF-8 inside a string
+        raise bad_request(
+            f"The request body is not valid JSON: it is not UTF-8 (byte {exc.start})"
+        ) from None
 
 
 def _split_location(message: str) -> tuple[str, str | None]:

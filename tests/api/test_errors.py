@@ -26,6 +26,26 @@ def test_malformed_json_is_400(client: Client, body: bytes) -> None:
     assert "JSON" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        ("/v1/chat/completions", b'{"model": "\xc3", "messages": []}'),
+        ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b"}'),  # an encoded lone surrogate
+        ("/v1/completions", b'{"prompt": "\\ud800"}'),  # an escaped lone surrogate
+        ("/v1/embeddings", b'{"input": "\x80"}'),
+        ("/tokenize", b'{"prompt": "\xf8\x88\x80\x80\x80"}'),
+        ("/v1/responses", b'{"input": "\xfe"}'),
+    ],
+)
+def test_invalid_utf8_in_a_string_is_400(client: Client, path: str, body: bytes) -> None:
+    """Bytes that are not UTF-8 inside a JSON string, on every route that reads a body."""
+    error = assert_error(client.post(path, content=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+    assert client.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 200
+
+
 def test_missing_messages_names_the_param(client: Client) -> None:
     assert_error(client.post("/v1/chat/completions", json={"model": "x"}), 400, param="messages")
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
