@@ -190,8 +190,9 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
-        help="KV cache storage: auto = the model dtype; fp8 (or fp8_e4m3) = float8 e4m3 with one "
-        "scale per token and KV head, about a quarter of float32's bytes (default: %(default)s)",
+        help="KV cache storage: auto = the model dtype; float32, float16 or bfloat16 = that dtype; "
+        "fp8 (or fp8_e4m3) = float8 e4m3 with one scale per token and KV head, about a quarter of "
+        "float32's bytes (default: %(default)s)",
     )
     add(
         "--matmul-dtype",

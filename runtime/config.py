@@ -10,7 +10,8 @@ DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GGUF block types (the same packed weights a GGUF file of that type gives) and per-channel int8.
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8*: e4m3 + row scales
+# auto: the model dtype; a float dtype: that one; fp8*: e4m3 + row scales
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
 MATMUL_DTYPES = (
     "auto",
     "bfloat16",
@@ -37,7 +38,8 @@ class EngineConfig:
     dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
     compute-bound, and 8 on accelerators, where dispatch dominates small models.
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
-    token and KV head; "auto" stores them in the model dtype. matmul_dtype "bfloat16" multiplies
+    token and KV head; "float32", "float16" or "bfloat16" in that dtype; "auto" in the model
+    dtype. matmul_dtype "bfloat16" multiplies
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
     models.layers.linear); "int8" rounds their activations to int8 blocks of 32 (llama.cpp's
     rounding) and multiplies with integer dots in the native CPU kernel; "auto" multiplies in the

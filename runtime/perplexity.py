@@ -31,6 +31,7 @@ bytes pinned by SHA-256 below.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -113,7 +114,23 @@ def load_model(config: EngineConfig, dequantize: bool = False) -> LoadedModel:
         raise PerplexityError(
             f"{model.spec.hf_architecture} has no cache-free forward to score text"
         )
-    return model
+    return _with_kv_cache_dtype(model, config.kv_cache_dtype)
+
+
+def _with_kv_cache_dtype(model: LoadedModel, name: str) -> LoadedModel:
+    """``model`` whose cache-free attention rounds K and V as a ``--kv-cache-dtype name`` cache
+    stores them (a float dtype; "auto" stores the model dtype, so nothing is rounded)."""
+    stored = builder.resolve_kv_cache_dtype(name, model.dtype)
+    if stored == model.dtype:
+        return model
+    attention = getattr(model.config, "attention", None)
+    if name.startswith("fp8") or not hasattr(attention, "round_kv_to"):
+        raise PerplexityError(
+            f"--kv-cache-dtype {name} is not modelled by the cache-free forward of "
+            f"{model.spec.hf_architecture}; use auto, float32, float16 or bfloat16"
+        )
+    attention = dataclasses.replace(attention, round_kv_to=stored.name)
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, attention=attention))
 
 
 def adds_bos(tokenizer: Tokenizer) -> bool:

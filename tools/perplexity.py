@@ -7,7 +7,9 @@ scored. The text is the pinned GNU GPL v3 terms (found in numpy's bundled licenc
 /usr/share/common-licenses/GPL-3, checked by SHA-256) unless `--text-file` names another; it is
 written to `--write-text` (default: the runtime cache) so llama-perplexity reads the same bytes.
 
-`--model-id`, `--dtype`, `--isq` and `--matmul-dtype` mean what they mean for runtime-serve: a GGUF's quantized
+`--model-id`, `--dtype`, `--isq`, `--matmul-dtype` and `--kv-cache-dtype` (a float dtype: the
+cache-free forward rounds K and V to it as the paged cache stores them) mean what they mean for
+runtime-serve: a GGUF's quantized
 tensors stay packed and run as stored, and `--isq` quantizes every projection to its type (a
 packed one from its dequantized values). `--dequantize` loads the quantized tensors as `--dtype`
 floats instead. With `--peer`,
@@ -72,6 +74,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=MATMUL_DTYPES,
         help="operands of the quantized projections, as for runtime-serve",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="K and V rounded as a KV cache of this dtype stores them, as for runtime-serve",
     )
     p.add_argument(
         "--dequantize",
@@ -178,6 +186,7 @@ def _ours(args: argparse.Namespace, text: str) -> tuple[dict, LoadedModel]:
         dtype=args.dtype,
         isq=args.isq,
         matmul_dtype=args.matmul_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     check_ctx(args.ctx_size)
     start = time.perf_counter()

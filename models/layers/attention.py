@@ -46,6 +46,9 @@ class AttentionConfig:
     local_rope: RopeConfig | None = None
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
+    # The cache-free path (``causal_attention``) rounds K and V to this dtype, as a paged run
+    # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
+    round_kv_to: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

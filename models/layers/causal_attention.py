@@ -36,6 +36,9 @@ def causal_self_attention(
     num_seqs, seq_len, _ = x.shape
     group = cfg.num_heads // cfg.num_kv_heads
     q, k, v = project_qkv(cfg, x, lw, positions, meta)
+    if cfg.round_kv_to is not None:
+        k = k.astype(cfg.round_kv_to).astype(k.dtype)
+        v = v.astype(cfg.round_kv_to).astype(v.dtype)
     q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
     scores = jnp.einsum(
         "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32

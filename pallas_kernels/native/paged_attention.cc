@@ -28,7 +28,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -220,7 +220,15 @@ inline const float* ConvertRow(const Problem& p, const uint8_t* cache, const flo
     }
     case ffi::DataType::BF16: {
       const uint16_t* src = reinterpret_cast<const uint16_t*>(cache) + first;
-      for (int64_t i = 0; i < d; ++i) {
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes) {  // bfloat16 bits are a float32's top half
+        typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+        Half h;
+        std::memcpy(&h, src + i, sizeof h);
+        const IVec bits = __builtin_convertvector(h, IVec) << 16;
+        Store(buffer + i, reinterpret_cast<Vec>(bits) * scale);
+      }
+      for (; i < d; ++i) {
         const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
         float value;
         std::memcpy(&value, &bits, sizeof value);
@@ -230,7 +238,19 @@ inline const float* ConvertRow(const Problem& p, const uint8_t* cache, const flo
     }
     case ffi::DataType::F16: {
       const uint16_t* src = reinterpret_cast<const uint16_t*>(cache) + first;
-      for (int64_t i = 0; i < d; ++i) buffer[i] = HalfToFloat(src[i]) * scale;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + kLanes <= d; i += kLanes)
+        Store(buffer + i, reinterpret_cast<Vec>(_mm512_cvtph_ps(
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)))) *
+                              scale);
+#elif defined(__AVX2__) && defined(__F16C__)
+      for (; i + kLanes <= d; i += kLanes)
+        Store(buffer + i, reinterpret_cast<Vec>(_mm256_cvtph_ps(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)))) *
+                              scale);
+#endif
+      for (; i < d; ++i) buffer[i] = HalfToFloat(src[i]) * scale;
       break;
     }
     default: {  // F8E4M3FN, checked by the handler

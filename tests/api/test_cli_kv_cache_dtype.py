@@ -15,6 +15,8 @@ from tests.api.test_cli import run_cli
         ([], "auto"),
         (["--kv-cache-dtype", "fp8"], "fp8"),
         (["--kv-cache-dtype", "fp8_e4m3"], "fp8_e4m3"),
+        (["--kv-cache-dtype", "float16"], "float16"),
+        (["--kv-cache-dtype", "bfloat16"], "bfloat16"),
         (["--fp8-kvcache"], "fp8"),
     ],
 )

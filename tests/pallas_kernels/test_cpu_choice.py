@@ -105,6 +105,16 @@ for qtype, rows in ((T.Q4_1, 1), (T.Q8_0, 5), (T.Q4_K, 3), (T.Q6_K, 9), (T.Q5_0,
         atol = 2e-5 * np.abs(want).max(axis=1, keepdims=True)
         bad = np.abs(np.asarray(got) - want) > atol + 2e-4 * np.abs(want)
         assert not bad.any(), (qtype.name, int8, np.asarray(got)[bad], want[bad])
+from pallas_kernels.paged_attention import native as pa, reference as pa_ref
+for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+    k = jnp.asarray(rng.standard_normal((1, 12, 16, 2, 64)), dtype)
+    v = jnp.asarray(rng.standard_normal((1, 12, 16, 2, 64)), dtype)
+    q = jnp.asarray(rng.standard_normal((2, 3, 6, 64)), jnp.float32)
+    pages = jnp.asarray(rng.permutation(12)[:12].reshape(2, 6), jnp.int32)
+    positions = jnp.asarray([[70, 71, 72], [20, 21, 22]], jnp.int32)
+    args = (q, k, v, jnp.int32(0), positions, pages, jnp.asarray([73, 23], jnp.int32))
+    got = pa.paged_attention(*args, scale=0.125)
+    np.testing.assert_allclose(got, pa_ref.paged_attention(*args, scale=0.125), atol=2e-5)
 print("ok")
 """
 
@@ -126,7 +136,8 @@ def _other_builds() -> list[str]:
 def test_the_lower_builds_agree_with_the_reference() -> None:
     """Every x86 build this CPU runs besides its own (plain AVX2 with maddubs dots, AVX2 with
     AVX-VNNI, AVX-512 without VNNI: what most x86 machines run) reads every bit layout as the
-    reference does, with float and int8 activations; every other native test runs the build
+    reference does, with float and int8 activations, and attends over float32, float16 and
+    bfloat16 caches as the reference does; every other native test runs the build
     for this CPU's own level. Each build runs in a fresh process (``RUNTIME_NATIVE_ISA`` is read
     once), side by side."""
     builds = _other_builds()

@@ -93,9 +93,28 @@ def test_fp8_engine_decodes_close_to_float(tiny_llama: Path) -> None:
         np.testing.assert_allclose(np.asarray(lp)[same], np.asarray(ref_lp)[same], atol=0.15)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "atol"), [("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_a_16_bit_cache_decodes_the_float_tokens(tiny_llama: Path, name: str, atol: float) -> None:
+    """``--kv-cache-dtype float16|bfloat16`` on a float32 model: the cache has that dtype and
+    twice float32's pages in the same memory, and greedy decoding follows the float32 cache."""
+    import jax.numpy as jnp
+
+    float_cache, ref = _run(tiny_llama, "float32")
+    cache, got = _run(tiny_llama, name)
+    assert float_cache.k.dtype == jnp.float32
+    assert cache.k.dtype == jnp.dtype(name) and cache.k_scales is None
+    assert cache.k.shape[1] == 2 * float_cache.k.shape[1]
+    for (ref_tokens, ref_lp), (tokens, lp) in zip(ref, got, strict=True):
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(lp, ref_lp, atol=atol)
+
+
 def test_bad_kv_cache_dtype_is_one_line_error() -> None:
     with pytest.raises(
-        ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int4'"
+        ValueError,
+        match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, fp8, fp8_e4m3, "
+        "got 'int4'",
     ):
         EngineConfig(kv_cache_dtype="int4")
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"

@@ -187,3 +187,25 @@ def test_peer_output_is_parsed(tmp_path: Path) -> None:
     fake.write_text("#!/bin/sh\necho 'you need at least 1024 tokens' >&2\n")
     with pytest.raises(PerplexityError, match="llama-perplexity gave no estimate: you need"):
         tool._peer(args, Path("m.gguf"), Path("t.txt"), 13)
+
+
+def test_a_16_bit_kv_cache_is_scored_with_k_and_v_rounded(tiny) -> None:
+    """``--kv-cache-dtype float16|bfloat16``: the cache-free forward rounds K and V as the paged
+    cache stores them, which moves each token's NLL a little (bfloat16 more than float16), and
+    a cache it cannot model (fp8's scaled rows) is a one-line error."""
+    folder, _, model = tiny
+    tokens = text_tokens(model.tokenizer, TEXT)
+    chunks = make_chunks(tokens, N_CTX, None)
+    nll = {}
+    for name in ("auto", "float16", "bfloat16"):
+        rounded = load_model(
+            EngineConfig(model_id=str(folder), dtype="float32", kv_cache_dtype=name)
+        )
+        assert rounded.config.attention.round_kv_to == (None if name == "auto" else name)
+        nll[name] = np.stack([ChunkScorer(rounded, N_CTX)(chunk) for chunk in chunks])
+    for name, bound in (("float16", 1e-2), ("bfloat16", 1e-1)):
+        moved = np.abs(nll[name] - nll["auto"]).max()
+        assert 0 < moved < bound, (name, moved)
+    assert np.abs(nll["bfloat16"] - nll["auto"]).max() > np.abs(nll["float16"] - nll["auto"]).max()
+    with pytest.raises(PerplexityError, match="--kv-cache-dtype fp8 is not modelled"):
+        load_model(EngineConfig(model_id=str(folder), dtype="float32", kv_cache_dtype="fp8"))
