@@ -279,9 +279,10 @@ def _keep_packed_head(
     of the float32 bytes that a decode step otherwise reads whole (a tied embedding also stays
     float, for the lookups)."""
     # A packed head the kernel does not take is dequantized whole on every step: it stays
-    # packed only where the kernel was measured faster for the head's calls of one row and more.
-    wins = all(cpu_choice.native_wins("dequant_matmul", c) for c in ("one_row", "large"))
-    if not (cfg.native_kernels and wins and native_dequant.available()):
+    # packed only where the kernel was measured faster for the head's calls of one row and more,
+    # or, for a tied embedding (whose float copy stays anyway), faster for one row: lone rows
+    # then read it packed and batches the float copy (``lm_head``).
+    if not (cfg.native_kernels and _packed_head_for(cfg, rows=1) and native_dequant.available()):
         yield from tensors
         return
     source = "embed" if cfg.tie_word_embeddings else "lm_head"
@@ -291,6 +292,19 @@ def _keep_packed_head(
             if rule is not None and rule.fields == (source,):
                 head["lm_head"] = value  # [hidden, vocab]: GGUF rows are output channels
         yield key, value
+
+
+def _packed_head_for(cfg: DecoderConfig, rows: int) -> bool:
+    """Whether a packed LM head takes a call of ``rows`` rows, by the measured verdicts: one row
+    where the kernel wins one row; more where it wins the large class too, or where there is no
+    float head to use instead (an untied head is kept one way only). int8 activations take one
+    path for every row count, so that a request's tokens do not depend on its batch."""
+    one_row = cpu_choice.native_wins("dequant_matmul", "one_row")
+    large = cpu_choice.native_wins("dequant_matmul", "large")
+    both = one_row and large
+    if rows == 1 and cfg.tie_word_embeddings and cfg.operand_dtype != "int8":
+        return one_row
+    return both
 
 
 def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
@@ -412,10 +426,14 @@ def lm_head(
     """Logits from final-normed hidden states (the tied embedding when there is no LM head).
 
     A packed ``lm_head`` (a quantized checkpoint's, kept where native kernels run: see
-    ``load``) goes to the native kernel."""
+    ``load``) goes to the native kernel, except batches where the float copy of a tied
+    embedding was measured faster (``_packed_head_for``)."""
     head = weights.get("lm_head")
     bias = weights["lm_head_b"] if cfg.lm_head_bias else None
-    if isinstance(head, PackedWeight):
+    rows = h.size // h.shape[-1]
+    if isinstance(head, PackedWeight) and (
+        not cfg.tie_word_embeddings or _packed_head_for(cfg, rows)
+    ):
         int8 = int8_operands(h, cfg.operand_dtype)
         logits = dequant_matmul(h, head, impl="native", int8_activations=int8)
         if bias is not None:

@@ -73,3 +73,43 @@ def test_greedy_tokens_equal_the_xla_formulation(smollm2_gguf):
     tokenizer = Tokenizer.from_gguf(smollm2_gguf)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert greedy_paged(on, ids) == greedy_paged(off, ids)
+
+
+@pytest.mark.skipif(
+    not native.available(),
+    reason="no C++ compiler built the native kernel here (it runs wherever one does, CI included)",
+)
+@pytest.mark.parametrize(
+    ("one_row", "large", "kept", "packed_rows"),
+    [
+        (True, True, True, {1, 3}),
+        (True, False, True, {1}),  # lone rows read it packed, batches the float embedding
+        (False, True, False, set()),
+    ],
+)
+def test_the_tied_head_takes_the_path_measured_faster_per_row_count(
+    smollm2_gguf, monkeypatch: pytest.MonkeyPatch, one_row, large, kept, packed_rows
+):
+    """The Q8_0 tied embedding is kept packed as the LM head where the kernel won one row; a
+    batch reads it packed only where the kernel also won the large class (an AVX2 CPU measured
+    the float32 head's dot faster at 16 rows). Both give the float head's logits."""
+    from models import decoder
+
+    monkeypatch.setattr(
+        cpu_choice,
+        "_verdicts",
+        {("dequant_matmul", "one_row"): one_row, ("dequant_matmul", "large"): large},
+    )
+    model = _load(smollm2_gguf, native=True)
+    assert isinstance(model.weights.get("lm_head"), PackedWeight) is kept
+    calls = []
+    real = decoder.dequant_matmul
+    monkeypatch.setattr(
+        decoder, "dequant_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
+    )
+    h = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
+    want = h @ np.asarray(model.weights["embed"]).T
+    for rows in (1, 3):
+        got = decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows]))
+        np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-3)
+    assert set(calls) == packed_rows
