@@ -513,7 +513,9 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
 // PassQ8 for a lone row of x, kWide column vectors at a time: each plane row's
 // reads are then whole 64-byte lines (4 x 16 bytes on AVX-512), and the
 // independent dots of the vectors overlap. Columns past the last kWide
-// vectors go through PassQ8.
+// vectors go through PassQ8. (PassQ8 with the column vectors as one more
+// template dimension computed the same and ran a one-sequence step at 6.8 ms
+// against this function's 5.9 ms, so the lone row keeps its own loop.)
 constexpr int kWide = 4;
 
 template <int B0, int B1, bool Fine>
