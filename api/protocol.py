@@ -39,7 +39,24 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's presence/f
 Bias = Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 BiasKey = Annotated[str, msgspec.Meta(pattern="^[0-9]+$")]  # a token id (JSON keys are strings)
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
-Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+StopList = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+
+
+class TaggedStop(msgspec.Struct, forbid_unknown_fields=True):
+    """candle-vllm's spelling of ``stop``: ``{"Single": "</s>"}`` or ``{"Multiple": [...]}``."""
+
+    Single: StopString | None = None
+    Multiple: StopList | None = None
+
+    def __post_init__(self) -> None:
+        if (self.Single is None) == (self.Multiple is None):
+            raise ValueError('stop as an object takes exactly one of "Single" or "Multiple"')
+
+    def strings(self) -> tuple[str, ...]:
+        return (self.Single,) if self.Single is not None else tuple(self.Multiple or ())
+
+
+Stop = StopString | StopList | TaggedStop
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 # ----------------------------------------------------------------------------------------- requests
@@ -137,6 +154,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """``stop`` as a tuple (empty when unset)."""
         if self.stop is None:
             return ()
+        if isinstance(self.stop, TaggedStop):
+            return self.stop.strings()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def wants_usage_chunk(self) -> bool:

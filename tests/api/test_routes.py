@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from litestar.testing import TestClient
 
 from api.app import create_app
 from runtime.mock_engine import MockEngine
-from tests.api.conftest import sse_chunks
+from tests.api.conftest import assert_error, sse_chunks
 
 Client = TestClient[Any]
 HELLO = [{"role": "user", "content": "hello"}]
@@ -122,6 +124,25 @@ def test_stop_string_truncates_and_aborts_the_engine(client: Client, engine: Moc
     assert choice["message"]["content"] == "zy"
     assert choice["finish_reason"] == "stop"
     assert engine.aborted == [response.json()["id"]]
+
+
+@pytest.mark.parametrize(
+    ("stop", "text"), [({"Single": ":"}, "zyx"), ({"Multiple": ["x", ":"]}, "zy")]
+)
+def test_candle_vllm_tagged_stop_is_read(client: Client, stop: dict, text: str) -> None:
+    """candle-vllm's README sends ``"stop": {"Single": "</s>"}`` (its tagged form)."""
+    body = {"messages": [{"role": "user", "content": "abc:xyz"}], "stop": stop}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["message"]["content"] == text and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "stop", [{}, {"Single": ":", "Multiple": [":"]}, {"Single": ""}, {"Other": ":"}]
+)
+def test_a_bad_tagged_stop_is_400(client: Client, stop: dict) -> None:
+    body = {"messages": [{"role": "user", "content": "abc:xyz"}], "stop": stop}
+    error = assert_error(client.post("/v1/chat/completions", json=body), 400)
+    assert "stop" in error["message"]
 
 
 def test_stop_string_is_never_streamed_in_part(client: Client) -> None:
