@@ -43,17 +43,17 @@ StopList = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)
 
 
 class TaggedStop(msgspec.Struct, forbid_unknown_fields=True):
-    """candle-vllm's spelling of ``stop``: ``{"Single": "</s>"}`` or ``{"Multiple": [...]}``."""
+    """candle-vllm's spelling of ``stop``: ``{"Single": "</s>"}`` or ``{"Multi": [...]}``."""
 
     Single: StopString | None = None
-    Multiple: StopList | None = None
+    Multi: StopList | None = None
 
     def __post_init__(self) -> None:
-        if (self.Single is None) == (self.Multiple is None):
-            raise ValueError('stop as an object takes exactly one of "Single" or "Multiple"')
+        if (self.Single is None) == (self.Multi is None):
+            raise ValueError('stop as an object takes exactly one of "Single" or "Multi"')
 
     def strings(self) -> tuple[str, ...]:
-        return (self.Single,) if self.Single is not None else tuple(self.Multiple or ())
+        return (self.Single,) if self.Single is not None else tuple(self.Multi or ())
 
 
 Stop = StopString | StopList | TaggedStop

@@ -127,7 +127,7 @@ def test_stop_string_truncates_and_aborts_the_engine(client: Client, engine: Moc
 
 
 @pytest.mark.parametrize(
-    ("stop", "text"), [({"Single": ":"}, "zyx"), ({"Multiple": ["x", ":"]}, "zy")]
+    ("stop", "text"), [({"Single": ":"}, "zyx"), ({"Multi": ["x", ":"]}, "zy")]
 )
 def test_candle_vllm_tagged_stop_is_read(client: Client, stop: dict, text: str) -> None:
     """candle-vllm's README sends ``"stop": {"Single": "</s>"}`` (its tagged form)."""
@@ -137,7 +137,7 @@ def test_candle_vllm_tagged_stop_is_read(client: Client, stop: dict, text: str) 
 
 
 @pytest.mark.parametrize(
-    "stop", [{}, {"Single": ":", "Multiple": [":"]}, {"Single": ""}, {"Other": ":"}]
+    "stop", [{}, {"Single": ":", "Multi": [":"]}, {"Single": ""}, {"Other": ":"}]
 )
 def test_a_bad_tagged_stop_is_400(client: Client, stop: dict) -> None:
     body = {"messages": [{"role": "user", "content": "abc:xyz"}], "stop": stop}
