@@ -116,6 +116,9 @@ class ServerConfig:
     mcp_timeout_s: float = DEFAULT_MCP_TIMEOUT_S
     mcp_max_output_bytes: int = DEFAULT_MCP_MAX_OUTPUT_BYTES
     ui: UiConfig | None = None
+    # False: with one model served, a request naming another is answered by it (candle-vllm's
+    # and llama.cpp's behaviour; their clients send any name); True: such a name is a 404.
+    strict_model_names: bool = False
 
     def __post_init__(self) -> None:
         self._check_mcp()

@@ -9,7 +9,9 @@ or several (``--models-config``, one engine per named model). Both are a ``Model
    accepted names, its sampling defaults). Every accepted name maps to exactly one entry.
 2. Per request, a route handler receives the registry by dependency injection
    (``api.dependencies``), decodes its body and calls ``resolve(body.model)``: an omitted or
-   empty name means the first model; a name no model answers to is a 404 ``model_not_found``.
+   empty name means the first model; a name no model answers to is a 404 ``model_not_found``,
+   except that a server of one model answers any name with it unless
+   ``ServerConfig.strict_model_names`` (``--strict-model-names``, or ``--models-config``).
    The handler then runs on that entry's engine with that entry's settings.
 3. The app's lifespan starts the engines in order and ``shutdown`` stops them all at once.
 """
@@ -84,11 +86,14 @@ class ModelRegistry:
         return self.entries[0]
 
     def resolve(self, requested: str | None) -> ModelEntry:
-        """The entry serving ``requested``; None or "" is the default model. Raises
-        ``APIError`` 404 ``model_not_found`` (param ``model``) for a name no model answers to."""
+        """The entry serving ``requested``; None or "" is the default model, and so is any name
+        when one model is served and names are not strict. Raises ``APIError`` 404
+        ``model_not_found`` (param ``model``) for a name no model answers to."""
         if not requested:
             return self.default
         entry = self._by_name.get(requested)
+        if entry is None and len(self.entries) == 1 and not self.config.strict_model_names:
+            return self.default  # candle-vllm's and llama.cpp's clients send any name
         if entry is None:
             served = ", ".join(f"`{e.name}`" for e in self.entries)
             raise APIError(

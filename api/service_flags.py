@@ -55,6 +55,12 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGINS",
         help="enable CORS for these origins (comma list, repeatable; '*' for any); default: off",
     )
+    add(
+        "--strict-model-names",
+        action="store_true",
+        help="a request naming no served model is a 404; by default a server of one model "
+        "answers any name with it, as candle-vllm and llama.cpp do (--models-config is strict)",
+    )
     add("--max-n", type=int, default=DEFAULT_MAX_N, help="largest `n` (default: %(default)s)")
     add(
         "--max-completion-tokens-cap",
@@ -157,6 +163,8 @@ def server_config(
         mcp_max_rounds=args.mcp_max_rounds,
         mcp_timeout_s=args.mcp_timeout,
         ui=ui,
+        strict_model_names=args.strict_model_names
+        or getattr(args, "models_config", None) is not None,
     )
 
 

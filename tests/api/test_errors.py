@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
+from api.app import create_app
+from api.config import ServerConfig
 from runtime.mock_engine import MockEngine
 from tests.api.conftest import MAX_MODEL_LEN, assert_error
 
@@ -120,10 +122,32 @@ def test_token_id_outside_the_vocabulary_is_400(client: Client) -> None:
     assert_error(response, 400, code="invalid_prompt")
 
 
-def test_unknown_model_is_404(client: Client) -> None:
-    error = assert_error(chat(client, model="gpt-4"), 404, param="model", code="model_not_found")
-    assert "gpt-4" in error["message"]
-    assert_error(client.post("/v1/completions", json={"prompt": "a", "model": "x"}), 404)
+UNKNOWN_MODEL_BODIES = [
+    ("/v1/chat/completions", {"messages": HELLO}),
+    ("/v1/completions", {"prompt": "a"}),
+    ("/v1/embeddings", {"input": "a"}),
+    ("/v1/responses", {"input": "a"}),
+    ("/tokenize", {"prompt": "a"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), UNKNOWN_MODEL_BODIES)
+def test_one_served_model_answers_any_name(client: Client, path: str, body: dict) -> None:
+    """candle-vllm's and llama.cpp's clients send any model name (``any``, ``mistral7b``):
+    a server of one model answers it, and reports its own name."""
+    response = client.post(path, json={**body, "model": "gpt-4"})
+    assert response.status_code == 200, response.text
+    if "model" in response.json():
+        assert response.json()["model"] == "mock-model"
+
+
+@pytest.mark.parametrize(("path", "body"), UNKNOWN_MODEL_BODIES)
+def test_unknown_model_is_404_with_strict_names(engine: MockEngine, path: str, body: dict) -> None:
+    config = ServerConfig(strict_model_names=True)
+    with TestClient(create_app(engine, config=config)) as strict:
+        error = assert_error(strict.post(path, json={**body, "model": "gpt-4"}), 404, "model")
+        assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+        assert strict.post(path, json={**body, "model": "mock-model"}).status_code == 200
 
 
 def test_prompt_longer_than_the_context_is_400(client: Client) -> None:

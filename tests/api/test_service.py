@@ -59,7 +59,6 @@ def test_tokenize_and_detokenize_errors(client: Client) -> None:
     assert_error(client.post("/tokenize", json={}), 400, param="prompt")
     both = {"prompt": "a", "messages": HELLO}
     assert_error(client.post("/tokenize", json=both), 400, param="prompt")
-    assert_error(client.post("/tokenize", json={"prompt": "a", "model": "x"}), 404, "model")
     assert_error(client.post("/detokenize", json={"tokens": [1, 999]}), 400, param="tokens")
     assert_error(client.post("/detokenize", json={"tokens": [-1]}), 400)
 
@@ -181,7 +180,12 @@ def test_several_served_model_names(engine: MockEngine) -> None:
             body = client.post("/v1/completions", json={"prompt": "ab", "model": name}).json()
             assert body["model"] == "mock-model"  # the first name is the one reported
         unknown = client.post("/v1/chat/completions", json={"messages": HELLO, "model": "gpt-4"})
+        assert unknown.json()["model"] == "mock-model"
+    strict = {"served_model_names": ("mock-model", "alias"), "strict_model_names": True}
+    with _client(engine, **strict) as client:
+        unknown = client.post("/v1/chat/completions", json={"messages": HELLO, "model": "gpt-4"})
         assert_error(unknown, 404, param="model", code="model_not_found")
+        assert client.post("/v1/completions", json={"prompt": "ab", "model": "alias"}).is_success
 
 
 def test_first_served_name_must_be_the_engines(engine: MockEngine) -> None:
@@ -192,6 +196,9 @@ def test_first_served_name_must_be_the_engines(engine: MockEngine) -> None:
 def test_cli_served_model_names_nargs() -> None:
     args = build_parser().parse_args(["--served-model-name", "a", "b"])
     assert server_config(args).served_model_names == ("a", "b")
+    assert not server_config(args).strict_model_names
+    strict = build_parser().parse_args(["--strict-model-names"])
+    assert server_config(strict).strict_model_names
 
 
 # --------------------------------------------------------------- CORS, request id, body cap
