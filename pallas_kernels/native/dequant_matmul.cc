@@ -454,6 +454,22 @@ inline IVec Dot4(IVec acc, UVec w, int32_t x) {
 #endif
 }
 
+// Where row r0's int8 codes, run scales and half-run/run sums start in the
+// layout of QuantizeRows (a pass's rows lie in one block of kRowBlock: r0 is a
+// multiple of the pass's row count).
+struct RowsQ8 {
+  const int32_t* xq;
+  const float *xd, *xh, *xr;
+};
+
+inline RowsQ8 RowsQ8At(const Problem& p, int64_t r0) {
+  const int64_t halves = p.w.k / kHalf, runs = p.w.k / kRun;
+  const int64_t block = r0 / kRowBlock, lane = r0 % kRowBlock;
+  return {p.xq + block * runs * kQuads * kRowBlock + lane,
+          p.xd + block * runs * kRowBlock + lane, p.xh + block * halves * kRowBlock + lane,
+          p.xr + block * runs * kRowBlock + lane};
+}
+
 // Pass with int8 activations. The columns are the outer loop here, so that
 // the Rows output vectors stay in registers over all runs; within a run the
 // codes go in order, four at a time in each lane (four plane rows transposed
@@ -464,18 +480,14 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
   constexpr int kGroup = Fine ? kHalf : kRun;  // codes per integer dot
   const Weight& w = p.w;
-  const int64_t halves = w.k / kHalf, runs = w.k / kRun;
-  // This pass's rows lie in one block of kRowBlock (r0 is a multiple of Rows).
-  const int64_t block = r0 / kRowBlock, lane = r0 % kRowBlock;
-  const int32_t* xq = p.xq + block * runs * kQuads * kRowBlock + lane;
-  const float* xd = p.xd + block * runs * kRowBlock + lane;
-  const float* xh = p.xh + block * halves * kRowBlock + lane;
-  const float* xr = p.xr + block * runs * kRowBlock + lane;
+  const int64_t runs = w.k / kRun;
+  const RowsQ8 x = RowsQ8At(p, r0);
+  const int32_t* xq = x.xq;
+  const float *xd = x.xd, *xh = x.xh, *xr = x.xr;
   for (int64_t c = col; c < end; c += kLanes) {
     Vec y[Rows];
     for (int r = 0; r < Rows; ++r) y[r] = Vec{};
     for (int64_t run = 0; run < runs; ++run) {
-      const int64_t row = run * kRun;
       UVec hi[B1 ? B1 : 1];
       if constexpr (B1 != 0) {
         for (int u = 0; u < B1; ++u)
@@ -523,12 +535,10 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
   constexpr int kGroup = Fine ? kHalf : kRun;
   const Weight& w = p.w;
-  const int64_t halves = w.k / kHalf, runs = w.k / kRun;
-  const int64_t block = r0 / kRowBlock, lane = r0 % kRowBlock;
-  const int32_t* xq = p.xq + block * runs * kQuads * kRowBlock + lane;
-  const float* xd = p.xd + block * runs * kRowBlock + lane;
-  const float* xh = p.xh + block * halves * kRowBlock + lane;
-  const float* xr = p.xr + block * runs * kRowBlock + lane;
+  const int64_t runs = w.k / kRun;
+  const RowsQ8 x = RowsQ8At(p, r0);
+  const int32_t* xq = x.xq;
+  const float *xd = x.xd, *xh = x.xh, *xr = x.xr;
   const int64_t wide_end = col + (end - col) / (kWide * kLanes) * (kWide * kLanes);
   for (int64_t c = col; c < wide_end; c += kWide * kLanes) {
     Vec y[kWide];
