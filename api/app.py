@@ -3,19 +3,19 @@
 1. The lifespan context starts the engines (compiling and warming up, in a worker thread so the
    event loop stays free; one after another) before the first request, and shuts them down after
    the last connection closed.
-2. Route handlers receive the app's ``ModelRegistry`` (``api.model_registry``: one engine, or
+2. Route handlers receive the app's ``ModelRegistry`` (``api.service.served_models``: one engine, or
    several named models) and the model cards by dependency injection, and run on the engine of
    the model the request names; there is no module-level state, so several apps (e.g. in tests)
    can live in one process.
-3. Every error leaves as the OpenAI envelope (``api.errors``).
-4. ``ServerConfig`` (``api.config``) adds the API key guard, CORS, the body size cap, sampling
-   defaults and served-model aliases; each app has its own Prometheus registry (``api.metrics``).
+3. Every error leaves as the OpenAI envelope (``api.protocol.errors``).
+4. ``ServerConfig`` (``api.service.settings``) adds the API key guard, CORS, the body size cap, sampling
+   defaults and served-model aliases; each app has its own Prometheus registry (``api.service.metrics``).
 5. A full engine queue (``EngineOverloadedError``) is a 503 with ``Retry-After``; ``Drain``
-   (``api.draining``) counts the requests in flight and refuses new ones during a graceful
+   (``api.service.draining``) counts the requests in flight and refuses new ones during a graceful
    shutdown.
 6. The operator's MCP servers (``ServerConfig.mcp_servers``) are connected by a lifespan entry
    that runs before the engine's, so a server that cannot start fails the startup at once, and
-   are closed after the engine has shut down (``api.mcp``).
+   are closed after the engine has shut down (``api.mcp.client``).
 """
 
 from __future__ import annotations
@@ -32,21 +32,21 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
-from api.auth import api_key_guard
-from api.config import ServerConfig
-from api.dependencies import provide_dependencies
-from api.draining import Drain, DrainMiddleware, retry_later_headers
-from api.errors import APIError, exception_handlers
-from api.mcp import McpClients
-from api.metrics import Metrics
-from api.model_registry import ModelRegistry, ServedModel
-from api.protocol import ErrorResponse, ModelCard
-from api.request_id import response_hook
-from api.responses_store import ResponseStore
-from api.routes import ROUTE_HANDLERS
-from api.routes.service import package_version
-from api.routes.ui import ui_route_handlers
-from runtime.interface import EngineClient, EngineOverloadedError
+from jax_llm_runtime.api.mcp.client import McpClients
+from jax_llm_runtime.api.protocol.bodies import ErrorResponse, ModelCard
+from jax_llm_runtime.api.protocol.errors import APIError, exception_handlers
+from jax_llm_runtime.api.responses.store import ResponseStore
+from jax_llm_runtime.api.routes import ROUTE_HANDLERS
+from jax_llm_runtime.api.routes.service import package_version
+from jax_llm_runtime.api.routes.ui import ui_route_handlers
+from jax_llm_runtime.api.service.auth import api_key_guard
+from jax_llm_runtime.api.service.dependencies import provide_dependencies
+from jax_llm_runtime.api.service.draining import Drain, DrainMiddleware, retry_later_headers
+from jax_llm_runtime.api.service.metrics import Metrics
+from jax_llm_runtime.api.service.request_id import response_hook
+from jax_llm_runtime.api.service.served_models import ModelRegistry, ServedModel
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.interface import EngineClient, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def create_app(
     ``drain`` is the shutdown state the server's SIGTERM handler drives (a fresh one if None).
     The app's ``ModelRegistry`` is ``app.state.models``.
 
-    Logging is left to the caller (``api.cli`` configures it), so importing or embedding the app
+    Logging is left to the caller (``api.cli.serve`` configures it), so importing or embedding the app
     never reconfigures the process's loggers. Raises ValueError when ``config`` names served
     models whose first (the reported name) is not the engine's ``model_name``, names aliases for
     several models, or when two models answer to one name.

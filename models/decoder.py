@@ -21,26 +21,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.batch import StepBatch
-from models.isq import ISQ_TYPES, packer
-from models.layers.attention import (
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.isq import ISQ_TYPES, packer
+from jax_llm_runtime.models.layers.attention import (
     FULL_WINDOW,
     AttentionConfig,
     LayerMeta,
     paged_self_attention,
 )
-from models.layers.causal_attention import causal_self_attention
-from models.layers.expert_offload import EXPERT_FIELDS, HOST_SUFFIX, split_stack, to_host_memory
-from models.layers.linear import OPERAND_DTYPES, int8_operands, linear, quantize_int8
-from models.layers.mla import MLAConfig, mla_cache_shapes, mla_causal, mla_weight_shapes, paged_mla
-from models.layers.mlp import check_activation, dense_mlp
-from models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
-from models.layers.norms import NormConfig, apply_norm
-from models.weights import Packing, WeightRule, load_host_weights
-from pallas_kernels import cpu_choice
-from pallas_kernels.dequant_matmul import HostPacked, PackedLayer, PackedWeight, dequant_matmul
-from pallas_kernels.dequant_matmul import native as native_dequant
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape
+from jax_llm_runtime.models.layers.causal_attention import causal_self_attention
+from jax_llm_runtime.models.layers.expert_offload import (
+    EXPERT_FIELDS,
+    HOST_SUFFIX,
+    split_stack,
+    to_host_memory,
+)
+from jax_llm_runtime.models.layers.linear import (
+    OPERAND_DTYPES,
+    int8_operands,
+    linear,
+    quantize_int8,
+)
+from jax_llm_runtime.models.layers.mla import (
+    MLAConfig,
+    mla_cache_shapes,
+    mla_causal,
+    mla_weight_shapes,
+    paged_mla,
+)
+from jax_llm_runtime.models.layers.mlp import check_activation, dense_mlp
+from jax_llm_runtime.models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
+from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
+from jax_llm_runtime.models.weights import Packing, WeightRule, load_host_weights
+from jax_llm_runtime.pallas_kernels import cpu_choice
+from jax_llm_runtime.pallas_kernels.dequant_matmul import (
+    HostPacked,
+    PackedLayer,
+    PackedWeight,
+    dequant_matmul,
+)
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, kv_cache_shape
 
 
 @dataclass(frozen=True)
@@ -74,7 +95,7 @@ class DecoderConfig:
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
     # (``pallas_kernels.native``: custom calls, which XLA's partitioner does not split) may
-    # replace XLA formulations where one is built; set by ``runtime.builder``.
+    # replace XLA formulations where one is built; set by ``runtime.loading.builder``.
     native_kernels: bool = False
 
     def __post_init__(self) -> None:

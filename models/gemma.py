@@ -8,12 +8,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from models.decoder import DecoderConfig
-from models.layers.norms import NormConfig
-from models.layers.rotary import RopeConfig, rope_from_hf
-from models.llama import ATTENTION_RULES, GATED_MLP_RULES, GLOBAL_RULES, LAYER, sliding_flags
-from models.llama import config_from_hf as llama_like
-from models.weights import WeightRule, nested_rules
+from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.layers.norms import NormConfig
+from jax_llm_runtime.models.layers.rotary import RopeConfig, rope_from_hf
+from jax_llm_runtime.models.llama import (
+    ATTENTION_RULES,
+    GATED_MLP_RULES,
+    GLOBAL_RULES,
+    LAYER,
+    sliding_flags,
+)
+from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.weights import WeightRule, nested_rules
 
 
 def _common(hf: dict[str, Any]) -> dict[str, Any]:

@@ -6,10 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.decoder import DecoderConfig
-from models.llama import ATTENTION_RULES, DOWN_RULE, FUSED_GATE_UP_RULE, GLOBAL_RULES, LAYER
-from models.llama import config_from_hf as llama_like
-from models.weights import WeightRule
+from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.llama import (
+    ATTENTION_RULES,
+    DOWN_RULE,
+    FUSED_GATE_UP_RULE,
+    GLOBAL_RULES,
+    LAYER,
+)
+from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.weights import WeightRule
 
 
 def glm4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:

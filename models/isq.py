@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pallas_kernels.dequant_matmul import HostPacked
-from pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
-from pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
+from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
 
 T = GGMLQuantizationType
 ISQ_TYPES = tuple(QUANT_TYPES)  # q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k

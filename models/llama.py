@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.decoder import DecoderConfig
-from models.layers.attention import AttentionConfig
-from models.layers.norms import NormConfig
-from models.layers.rotary import rope_from_hf
-from models.weights import WeightRule
+from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.layers.attention import AttentionConfig
+from jax_llm_runtime.models.layers.norms import NormConfig
+from jax_llm_runtime.models.layers.rotary import rope_from_hf
+from jax_llm_runtime.models.weights import WeightRule
 
 LAYER = r"model\.layers\.(\d+)\."
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.decoder import DecoderConfig
-from models.llama import WEIGHT_RULES, sliding_flags
-from models.llama import config_from_hf as llama_like
-from models.weights import nested_rules
+from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.llama import WEIGHT_RULES, sliding_flags
+from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.weights import nested_rules
 
 
 def mistral_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.decoder import DecoderConfig
-from models.layers.norms import NormConfig
-from models.llama import DOWN_RULE, FUSED_GATE_UP_RULE, GLOBAL_RULES, LAYER
-from models.llama import config_from_hf as llama_like
-from models.weights import WeightRule
+from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.layers.norms import NormConfig
+from jax_llm_runtime.models.llama import DOWN_RULE, FUSED_GATE_UP_RULE, GLOBAL_RULES, LAYER
+from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.weights import WeightRule
 
 
 def phi2_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:

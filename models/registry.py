@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from models import (
+from jax_llm_runtime.models import (
     decoder,
     gemma,
     glm4,

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from pallas_kernels.dequant_matmul import HostPacked
-from pallas_kernels.dequant_matmul.host import dequantize_host, split_out, stack
+from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host, split_out, stack
 
 
 class WeightLoadError(ValueError):

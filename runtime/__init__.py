@@ -1,7 +1,10 @@
-"""The inference runtime: engine, scheduler, model runner, loaders; usable as a library.
+"""The inference runtime, usable as a library without any web server: the engine core
+(``engine``), model loading (``loading``), tokenizers, chat templates and stop strings (``text``),
+multi-device and multi-host serving (``parallel``) and the library facade (``library``), all
+configured by one ``EngineConfig`` (``config``) on the JAX platform ``platform`` picks.
 
-``from runtime import InferenceEngine`` is the library entry point (``runtime.library``). It is
-imported on first use, so ``import runtime.config`` and friends stay light.
+``from jax_llm_runtime.runtime import InferenceEngine`` is the library entry point. It is imported
+on first use, so ``import jax_llm_runtime.runtime.config`` and friends stay light.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ __all__ = ["Completion", "DeviceUnavailableError", "GenerationError", "Inference
 
 def __getattr__(name: str) -> Any:
     if name in ("Completion", "GenerationError", "InferenceEngine"):
-        from runtime import library
+        from jax_llm_runtime.runtime.library import inference_engine as library
 
         return getattr(library, name)
     if name == "DeviceUnavailableError":
-        from runtime.platform import DeviceUnavailableError
+        from jax_llm_runtime.runtime.platform import DeviceUnavailableError
 
         return DeviceUnavailableError
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.isq import ISQ_TYPES
+from jax_llm_runtime.models.isq import ISQ_TYPES
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -48,14 +48,14 @@ class EngineConfig:
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
     devices (indices into ``jax.devices()``) and tensor_parallel_size build the device mesh the
-    step is split over (``runtime.sharding``); one device by default. expert_parallel splits a
+    step is split over (``runtime.parallel.sharding``); one device by default. expert_parallel splits a
     mixture-of-experts model's routed experts over the same devices. data_parallel_size
     replicas of the model, each on its own tensor_parallel_size devices with its own KV cache of
-    kvcache_mem_mb and its own max_num_seqs, share the requests (``runtime.data_parallel``).
+    kvcache_mem_mb and its own max_num_seqs, share the requests (``runtime.parallel.data_parallel``).
     num_experts_offload_per_rank keeps that many routed experts of each rank (each device of the
     expert-parallel mesh, or each device when the experts are not split) in pinned host memory,
     the last ones of the rank's share, and brings them to the device only for the layers whose
-    tokens chose one (``runtime.expert_offload``); 0 keeps every expert on the device.
+    tokens chose one (``runtime.parallel.expert_offload_plan``); 0 keeps every expert on the device.
     """
 
     model_id: str = DEFAULT_MODEL_ID

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sources import resolve_model_source
+from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +18,8 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf: Path):
     """One started float32 engine on the real model, shared by the slow runtime tests."""
-    from runtime.builder import build_engine
-    from runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
         EngineConfig(model_id=str(smollm2_gguf), max_num_seqs=8, max_model_len=512, dtype="float32")

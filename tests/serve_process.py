@@ -27,7 +27,11 @@ class ServerProcess:
 def serve_command() -> list[str]:
     """The installed console script when present (it is after `just setup`), else the module."""
     script = Path(sys.executable).with_name("runtime-serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    return (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-m", "jax_llm_runtime.api.cli.serve"]
+    )
 
 
 @contextmanager

@@ -27,8 +27,18 @@ def test_the_wheel_holds_the_kernel_sources_and_an_installed_copy_loads_them(
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in ("dequant_matmul.cc", "paged_attention.cc"):
-        assert f"pallas_kernels/native/{source}" in names
-    assert "api/ui/static/index.html" in names
+        assert f"jax_llm_runtime/pallas_kernels/native/{source}" in names
+    assert "jax_llm_runtime/api/ui/static/index.html" in names
+    # One import name: every module of the project lives under jax_llm_runtime/.
+    modules = {n.split("/")[0] for n in names if n.endswith(".py")}
+    assert modules == {"jax_llm_runtime"}, modules
+    packages = {n.rpartition("/")[0] for n in names if n.endswith("/__init__.py")}
+    on_disk = {
+        "jax_llm_runtime/" + str(init.parent.relative_to(REPO))
+        for root in ("api", "runtime", "models", "pallas_kernels")
+        for init in (REPO / root).rglob("__init__.py")
+    }
+    assert packages == on_disk, on_disk ^ packages  # pyproject.toml lists every package
 
     site = tmp_path / "site"
     install = subprocess.run(
@@ -38,7 +48,7 @@ def test_the_wheel_holds_the_kernel_sources_and_an_installed_copy_loads_them(
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
     check = (
-        "import pallas_kernels.native as n; print(n.__file__); "
+        "import jax_llm_runtime.pallas_kernels.native as n; print(n.__file__); "
         "print(all(n.load(k) is not None for k in ('dequant_matmul', 'paged_attention')))"
     )
     # Outside the checkout, with the installed copy first on the path.

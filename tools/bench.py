@@ -356,7 +356,9 @@ async def wait_for_background_compile(client: httpx.AsyncClient, target: Target)
         if resp.status_code != 200 or not values or not any(values):
             waited = time.monotonic() - start
             if waited > 0.5:
-                print(f"[{target.name}] waited {waited:.0f}s for its background compile", flush=True)
+                print(
+                    f"[{target.name}] waited {waited:.0f}s for its background compile", flush=True
+                )
             return
         await asyncio.sleep(1.0)
     raise SystemExit(f"error: {target.base_url} still compiling after {COMPILE_WAIT_S:.0f}s")

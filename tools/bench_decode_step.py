@@ -30,12 +30,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from models.batch import StepBatch
-from models.registry import model_config_from_hf
-from pallas_kernels.paged_attention import KVCache
-from runtime.builder import load_checkpoint, resolve_dtype
-from runtime.config import ISQ_CHOICES
-from runtime.sources import resolve_model_source
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.registry import model_config_from_hf
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.runtime.config import ISQ_CHOICES
+from jax_llm_runtime.runtime.loading.builder import load_checkpoint, resolve_dtype
+from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
 PAGE_SIZE = 16
 OPERANDS = {"-bf16": "bfloat16", "-i8": "int8"}  # format suffix -> operand_dtype

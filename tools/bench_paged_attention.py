@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import FP8, native, quantize_rows, reference
+from jax_llm_runtime.pallas_kernels.paged_attention import FP8, native, quantize_rows, reference
 
 IMPLS = {"reference": reference.paged_attention, "native": native.paged_attention}
 

@@ -1,6 +1,6 @@
 """The on-device sampler's time per step, against a sort-based formulation of the same filters.
 
-``runtime.sampler.sample`` finds the top-k / top-p / min-p cut and the draw by bisection over
+``runtime.engine.sampler.sample`` finds the top-k / top-p / min-p cut and the draw by bisection over
 the row's weights; the peer sorts each row of logits (``argsort``) and filters the sorted prefix,
 which is how the sampler worked before. Both run jitted on the default backend in the same
 process, interleaved round by round, on random logits of the real vocabulary size.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampler import empty_sampling_metadata, sample
+from jax_llm_runtime.runtime.engine.sampler import empty_sampling_metadata, sample
 
 SETTINGS = {
     "greedy": {"temperature": 0.0},

@@ -28,9 +28,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from pallas_kernels.dequant_matmul.gptq import pack_gptq
-from runtime.hf_loader import load_hf_checkpoint
-from runtime.hf_quant import QuantConfig, quant_config_from_hf, quantized_linears
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import pack_gptq
+from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+from jax_llm_runtime.runtime.loading.hf_quant import (
+    QuantConfig,
+    quant_config_from_hf,
+    quantized_linears,
+)
 
 INDEX = "model.safetensors.index.json"
 # Files rewritten here rather than copied (AutoAWQ's own quant_config.json describes AWQ).

@@ -1,6 +1,6 @@
 """Perplexity of a model on a fixed text, comparable with llama.cpp's `llama-perplexity`.
 
-The method is llama-perplexity's default one (see runtime/perplexity.py): the whole text is
+The method is llama-perplexity's default one (see runtime/library/perplexity.py): the whole text is
 tokenized, cut into chunks of `--ctx-size` tokens (BOS replacing each chunk's first token when
 the tokenizer adds one), every chunk is run from an empty context, and only its second half is
 scored. The text is the pinned GNU GPL v3 terms (found in numpy's bundled licences or Debian's
@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.config import DEFAULT_MODEL_ID, DTYPES, MATMUL_DTYPES, EngineConfig
-from runtime.perplexity import (
+from jax_llm_runtime.runtime.config import DEFAULT_MODEL_ID, DTYPES, MATMUL_DTYPES, EngineConfig
+from jax_llm_runtime.runtime.library.perplexity import (
     REFERENCE_TEXT_NAME,
     ChunkScorer,
     LoadedModel,
@@ -50,7 +50,7 @@ from runtime.perplexity import (
     text_sha256,
     text_tokens,
 )
-from runtime.sources import ModelSourceError, cache_root
+from jax_llm_runtime.runtime.loading.sources import ModelSourceError, cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PEER_BIN = ROOT / "third_party" / "llama.cpp" / "bin" / "llama-perplexity"

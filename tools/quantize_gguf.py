@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from runtime.gguf_quantize import FILE_TYPES, requantize_gguf
+from jax_llm_runtime.runtime.loading.gguf.quantize import FILE_TYPES, requantize_gguf
 
 
 def main() -> int:

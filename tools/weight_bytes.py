@@ -17,12 +17,12 @@ import sys
 import jax
 import numpy as np
 
-from models.decoder import PACKED_FIELDS
-from models.isq import ISQ_TYPES
-from models.registry import model_config_from_hf
-from pallas_kernels.dequant_matmul import PackedWeight
-from runtime.builder import load_checkpoint, resolve_dtype
-from runtime.sources import resolve_model_source
+from jax_llm_runtime.models.decoder import PACKED_FIELDS
+from jax_llm_runtime.models.isq import ISQ_TYPES
+from jax_llm_runtime.models.registry import model_config_from_hf
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+from jax_llm_runtime.runtime.loading.builder import load_checkpoint, resolve_dtype
+from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
 
 def _bytes(tree: object) -> int:

@@ -10,15 +10,12 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, post
 
-from api.chat_start import start_chat
-from api.dependencies import ModelsDep
-from api.disconnect import cancel_on_disconnect
-from api.generation import collect_all, merge_usage
-from api.logprobs import chat_logprobs
-from api.mcp import McpClients
-from api.metrics import Metrics
-from api.openapi import documented
-from api.protocol import (
+from jax_llm_runtime.api.generation.chat_start import start_chat
+from jax_llm_runtime.api.generation.logprobs import chat_logprobs
+from jax_llm_runtime.api.generation.sse import sse_response
+from jax_llm_runtime.api.generation.stream import collect_all, merge_usage
+from jax_llm_runtime.api.mcp.client import McpClients
+from jax_llm_runtime.api.protocol.bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -28,10 +25,13 @@ from api.protocol import (
     ChatDelta,
     Usage,
 )
-from api.streaming import sse_response
-from api.validation import check_supported, decode_body
-from runtime.interface import TokenizerLike
-from runtime.request import TokenLogprobs
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.protocol.validation import check_supported, decode_body
+from jax_llm_runtime.api.service.dependencies import ModelsDep
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.metrics import Metrics
+from jax_llm_runtime.runtime.engine.interface import TokenizerLike
+from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,25 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from api.defaults import completion_budget, with_sampling_defaults
-from api.dependencies import ModelsDep
-from api.disconnect import cancel_on_disconnect
-from api.errors import APIError, bad_request
-from api.generation import collect_all, merge_usage, start_generation
-from api.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
-from api.metrics import Metrics
-from api.openapi import documented
-from api.prompts import completion_prompt_ids
-from api.protocol import (
+from jax_llm_runtime.api.generation.logprobs import (
+    completion_logprobs,
+    concat_logprobs,
+    echo_logprobs,
+)
+from jax_llm_runtime.api.generation.prompts import completion_prompt_ids
+from jax_llm_runtime.api.generation.sse import sse_response
+from jax_llm_runtime.api.generation.stream import collect_all, merge_usage, start_generation
+from jax_llm_runtime.api.protocol.bodies import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     Usage,
 )
-from api.streaming import sse_response
-from api.validation import (
+from jax_llm_runtime.api.protocol.defaults import completion_budget, with_sampling_defaults
+from jax_llm_runtime.api.protocol.errors import APIError, bad_request
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.protocol.validation import (
     build_sampling,
     check_supported,
     check_top_logprobs,
@@ -34,8 +35,11 @@ from api.validation import (
     resolve_max_tokens,
     resolve_n,
 )
-from runtime.interface import EngineClient, TokenizerLike
-from runtime.request import TokenLogprobs
+from jax_llm_runtime.api.service.dependencies import ModelsDep
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.metrics import Metrics
+from jax_llm_runtime.runtime.engine.interface import EngineClient, TokenizerLike
+from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
 # OpenAI's legacy completions default, unlike chat, which may use the whole remaining context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

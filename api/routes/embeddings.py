@@ -18,14 +18,19 @@ from typing import Any
 import numpy as np
 from litestar import Request, Response, post
 
-from api.dependencies import ModelsDep
-from api.disconnect import cancel_on_disconnect
-from api.errors import APIError, bad_request, not_supported
-from api.openapi import documented
-from api.prompts import check_token_ids
-from api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from api.validation import decode_body
-from runtime.interface import TokenizerLike
+from jax_llm_runtime.api.generation.prompts import check_token_ids
+from jax_llm_runtime.api.protocol.bodies import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from jax_llm_runtime.api.protocol.errors import APIError, bad_request, not_supported
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.protocol.validation import decode_body
+from jax_llm_runtime.api.service.dependencies import ModelsDep
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 

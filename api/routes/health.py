@@ -6,9 +6,9 @@ from __future__ import annotations
 from litestar import get
 from litestar.datastructures import State
 
-from api.dependencies import ModelsDep
-from api.errors import APIError
-from api.openapi import documented
+from jax_llm_runtime.api.protocol.errors import APIError
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.service.dependencies import ModelsDep
 
 
 @get("/health", sync_to_thread=False, operation_class=documented())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from litestar import get
 
-from api.errors import APIError
-from api.openapi import documented
-from api.protocol import ModelCard, ModelList
+from jax_llm_runtime.api.protocol.bodies import ModelCard, ModelList
+from jax_llm_runtime.api.protocol.errors import APIError
+from jax_llm_runtime.api.protocol.openapi import documented
 
 
 @get("/v1/models", sync_to_thread=False, operation_class=documented())

@@ -1,7 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API (the subset agents use), JSON or SSE.
 
 The request's conversation is the stored one of ``previous_response_id`` (if any) followed by
-its ``input`` (``api.responses_items``); ``api.responses_run`` runs it turn by turn, calling the
+its ``input`` (``api.responses.items``); ``api.responses.run`` runs it turn by turn, calling the
 server's MCP tools in between. Executed MCP calls are ``mcp_call`` output items (what OpenAI's
 own MCP tool returns), so agents that run ``function_call`` items themselves leave them alone;
 calls of client-defined functions end the response as ``function_call`` items.
@@ -20,23 +20,23 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import ServerSentEventMessage
 
-from api.dependencies import ModelsDep
-from api.disconnect import cancel_on_disconnect
-from api.errors import APIError
-from api.mcp import McpClients
-from api.metrics import Metrics
-from api.openapi import documented
-from api.responses_items import chat_tools, input_messages
-from api.responses_protocol import (
+from jax_llm_runtime.api.generation.sse import ClosingServerSentEvent
+from jax_llm_runtime.api.mcp.client import McpClients
+from jax_llm_runtime.api.protocol.errors import APIError
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.protocol.validation import decode_body
+from jax_llm_runtime.api.responses.bodies import (
     ErrorEvent,
     ResponseEvent,
     ResponseObject,
     ResponsesRequest,
 )
-from api.responses_run import ResponseRun, RunContext
-from api.responses_store import ResponseStore
-from api.streaming import ClosingServerSentEvent
-from api.validation import decode_body
+from jax_llm_runtime.api.responses.items import chat_tools, input_messages
+from jax_llm_runtime.api.responses.run import ResponseRun, RunContext
+from jax_llm_runtime.api.responses.store import ResponseStore
+from jax_llm_runtime.api.service.dependencies import ModelsDep
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from litestar import Request, Response, get
 
-from api.metrics import CONTENT_TYPE, Metrics
-from api.openapi import documented
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.service.metrics import CONTENT_TYPE, Metrics
 
 DISTRIBUTION = "jax-llm-runtime"
 

@@ -15,12 +15,12 @@ from typing import Any
 import msgspec
 from litestar import Request, post
 
-from api.dependencies import EngineDep, ModelsDep
-from api.errors import bad_request
-from api.openapi import documented
-from api.prompts import template_kwargs
-from api.protocol import Messages, TokenId
-from api.validation import decode_body
+from jax_llm_runtime.api.generation.prompts import template_kwargs
+from jax_llm_runtime.api.protocol.bodies import Messages, TokenId
+from jax_llm_runtime.api.protocol.errors import bad_request
+from jax_llm_runtime.api.protocol.openapi import documented
+from jax_llm_runtime.api.protocol.validation import decode_body
+from jax_llm_runtime.api.service.dependencies import EngineDep, ModelsDep
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

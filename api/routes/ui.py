@@ -13,9 +13,9 @@ from __future__ import annotations
 from litestar import MediaType, Response, Router, get
 from litestar.static_files import create_static_files_router
 
-from api.limits import limit_request_headers
-from api.ui import STATIC_DIR
-from api.ui.settings import UiConfig
+from jax_llm_runtime.api.service.limits import limit_request_headers
+from jax_llm_runtime.api.ui import STATIC_DIR
+from jax_llm_runtime.api.ui.settings import UiConfig
 
 
 def content_security_policy(api_port: int | None) -> str:

@@ -15,9 +15,9 @@ import threading
 import uvicorn
 from litestar import Litestar
 
-from api.errors import exception_handlers
-from api.routes.ui import ui_router
-from api.ui.settings import UiConfig
+from jax_llm_runtime.api.protocol.errors import exception_handlers
+from jax_llm_runtime.api.routes.ui import ui_router
+from jax_llm_runtime.api.ui.settings import UiConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.batch import StepBatch
-from models.layers.linear import linear
-from models.layers.norms import NormConfig, apply_norm
-from models.layers.rotary import RopeConfig, apply_rope
-from pallas_kernels.paged_attention import KVCache, attention, write_cache
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.linear import linear
+from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
+from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, attention, write_cache
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from models.layers.attention import (
+from jax_llm_runtime.models.layers.attention import (
     AttentionConfig,
     LayerMeta,
     layer_window,

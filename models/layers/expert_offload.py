@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
 
 EXPERT_FIELDS = ("e_gate", "e_up", "e_down")
 HOST_SUFFIX = "_host"  # ``e_gate_host`` holds the offloaded experts of ``e_gate``

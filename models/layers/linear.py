@@ -39,8 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.dequant_matmul import PackedLayer, PackedWeight, dequant_matmul, dequantize
-from pallas_kernels.dequant_matmul.reference import operand_dot, quantize_activations
+from jax_llm_runtime.pallas_kernels.dequant_matmul import (
+    PackedLayer,
+    PackedWeight,
+    dequant_matmul,
+    dequantize,
+)
+from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import (
+    operand_dot,
+    quantize_activations,
+)
 
 OPERAND_DTYPES = (None, "bfloat16", "int8")
 

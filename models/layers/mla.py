@@ -37,13 +37,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.batch import StepBatch
-from models.layers.linear import linear
-from models.layers.norms import rms_norm
-from models.layers.rope_scaling import yarn_mscale
-from models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
-from models.weights import WeightRule
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape, paged_attention, write_cache
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.linear import linear
+from jax_llm_runtime.models.layers.norms import rms_norm
+from jax_llm_runtime.models.layers.rope_scaling import yarn_mscale
+from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
+from jax_llm_runtime.models.weights import WeightRule
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    KVCache,
+    kv_cache_shape,
+    paged_attention,
+    write_cache,
+)
 
 _MASKED = -1e30  # finite, so a padding row with no visible key stays finite instead of NaN
 

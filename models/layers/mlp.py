@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 
-from models.layers.linear import linear
+from jax_llm_runtime.models.layers.linear import linear
 
 # HF ``hidden_act`` names -> functions. The tanh approximations are distinct from exact GELU.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

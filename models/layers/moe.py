@@ -48,14 +48,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.layers.expert_offload import (
+from jax_llm_runtime.models.layers.expert_offload import (
     EXPERT_FIELDS,
     HOST_SUFFIX,
     ExpertOffload,
     to_device_memory,
 )
-from models.layers.linear import dense, linear
-from pallas_kernels.dequant_matmul import PackedWeight
+from jax_llm_runtime.models.layers.linear import dense, linear
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,

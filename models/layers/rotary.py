@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layers import rope_scaling
+from jax_llm_runtime.models.layers import rope_scaling
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Older checkpoints name a few kinds differently; they map onto a supported kind unchanged.

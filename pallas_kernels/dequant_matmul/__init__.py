@@ -7,8 +7,12 @@ block bytes from float weights (in-situ quantization), ``reference`` dequantizes
 ``kernel`` is the Pallas kernel, ``native`` the C++ CPU kernel, and ``dequant_matmul`` picks one.
 """
 
-from pallas_kernels.dequant_matmul.formats import HostPacked, PackedLayer, PackedWeight
-from pallas_kernels.dequant_matmul.ops import dequant_matmul
-from pallas_kernels.dequant_matmul.reference import dequantize
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import (
+    HostPacked,
+    PackedLayer,
+    PackedWeight,
+)
+from jax_llm_runtime.pallas_kernels.dequant_matmul.ops import dequant_matmul
+from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import dequantize
 
 __all__ = ["HostPacked", "PackedLayer", "PackedWeight", "dequant_matmul", "dequantize"]

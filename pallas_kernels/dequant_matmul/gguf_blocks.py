@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pallas_kernels.dequant_matmul.formats import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
 
 T = GGMLQuantizationType
 QK_K = 256

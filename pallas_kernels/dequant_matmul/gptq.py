@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pallas_kernels.dequant_matmul.formats import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
 
 BITS = 4
 PER_WORD = 32 // BITS  # codes per int32

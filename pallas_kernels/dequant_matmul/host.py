@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pallas_kernels.dequant_matmul.formats import HostPacked, evaluate
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked, evaluate
 
 
 def dequantize_host(hp: HostPacked) -> np.ndarray:  # float32 [..., in, out]

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.dequant_matmul import reference, tuning
-from pallas_kernels.dequant_matmul.formats import PLANES, RUN, PackedWeight
+from jax_llm_runtime.pallas_kernels.dequant_matmul import reference, tuning
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PLANES, RUN, PackedWeight
 
 _GROUP_FIELDS = ("d", "sc", "z", "mn", "m")
 _X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
-from pallas_kernels.dequant_matmul.formats import PLANES, RUN, PackedWeight
+from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PLANES, RUN, PackedWeight
 
 _SOURCE = Path(native.__file__).resolve().parent / "dequant_matmul.cc"
 _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import cpu_choice
-from pallas_kernels.dequant_matmul import kernel, native, reference
-from pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
+from jax_llm_runtime.pallas_kernels import cpu_choice
+from jax_llm_runtime.pallas_kernels.dequant_matmul import kernel, native, reference
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
 
 IMPLS = ("auto", "native", "pallas", "reference")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a GPU run of the kernel is recorded

@@ -10,7 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dequant_matmul.formats import RUN, PackedWeight, evaluate, unpack_planes
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import (
+    RUN,
+    PackedWeight,
+    evaluate,
+    unpack_planes,
+)
 
 
 def _validate(x: jax.Array, w: PackedWeight) -> None:

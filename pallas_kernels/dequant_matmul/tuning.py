@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.dequant_matmul.formats import PLANES, RUN
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PLANES, RUN
 
 _TOKEN_BUCKETS = (16, 64, 256)  # decode and small batches, short prefill chunks, long ones
 

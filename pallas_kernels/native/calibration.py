@@ -25,12 +25,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from pallas_kernels import cpu_choice, native
-from pallas_kernels.dequant_matmul import native as native_dequant
-from pallas_kernels.dequant_matmul import reference as dequant_reference
-from pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
-from pallas_kernels.paged_attention import native as native_attention
-from pallas_kernels.paged_attention import reference as attention_reference
+from jax_llm_runtime.pallas_kernels import cpu_choice, native
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
+from jax_llm_runtime.pallas_kernels.dequant_matmul import reference as dequant_reference
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
+from jax_llm_runtime.pallas_kernels.paged_attention import native as native_attention
+from jax_llm_runtime.pallas_kernels.paged_attention import reference as attention_reference
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()

@@ -7,7 +7,7 @@ The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_s
 the reference (``reference.py``).
 """
 
-from pallas_kernels.paged_attention.layout import (
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
     FP8,
     KVCache,
     kv_cache_bytes,
@@ -17,8 +17,8 @@ from pallas_kernels.paged_attention.layout import (
     write_cache,
     write_kv,
 )
-from pallas_kernels.paged_attention.ops import attention
-from pallas_kernels.paged_attention.reference import paged_attention
+from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention
+from jax_llm_runtime.pallas_kernels.paged_attention.reference import paged_attention
 
 __all__ = [
     "FP8",

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import reference, tuning
+from jax_llm_runtime.pallas_kernels.paged_attention import reference, tuning
 
 _MASKED = -1e30  # finite: exp(_MASKED - _MASKED) is 1, not NaN, while a row has seen no key yet
 _CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)

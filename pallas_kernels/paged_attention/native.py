@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
-from pallas_kernels.paged_attention.reference import _validate, _validate_scales
+from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.paged_attention.reference import _validate, _validate_scales
 
 CACHE_DTYPES = tuple(
     jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)

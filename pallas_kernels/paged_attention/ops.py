@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import cpu_choice
-from pallas_kernels.paged_attention import kernel, native, reference
+from jax_llm_runtime.pallas_kernels import cpu_choice
+from jax_llm_runtime.pallas_kernels.paged_attention import kernel, native, reference
 
 IMPLS = ("auto", "pallas", "reference", "native", "cpu")
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from api.app import create_app
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 
 MAX_MODEL_LEN = 256
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from api.mcp_config import McpServerConfig
+from jax_llm_runtime.api.mcp.config import McpServerConfig
 from tests.serve_process import REPO_ROOT
 
 CALC_SCRIPT = REPO_ROOT / "tests" / "mcp_calc_server.py"

@@ -11,12 +11,12 @@ import threading
 import time
 from typing import Any
 
-from runtime.engine import Engine
-from runtime.mock_engine import EOS_ID, VOCAB_SIZE, MockTokenizer
-from runtime.model_runner import StepResult
-from runtime.page_allocator import PageAllocator
-from runtime.scheduler import ScheduledBatch, Scheduler
-from runtime.tokenizer import IncrementalDecoder
+from jax_llm_runtime.runtime.engine.core import Engine
+from jax_llm_runtime.runtime.engine.mock import EOS_ID, VOCAB_SIZE, MockTokenizer
+from jax_llm_runtime.runtime.engine.model_runner import StepResult
+from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
+from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from jax_llm_runtime.runtime.text.tokenizer import IncrementalDecoder
 
 TOKEN = ord("x")
 

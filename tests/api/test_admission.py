@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from api.app import create_app
-from api.cli import _build_engine, _config_from_args, build_parser
-from runtime.config import DEFAULT_MAX_WAITING, EngineConfig
-from runtime.interface import EngineOverloadedError
-from runtime.mock_engine import VOCAB_SIZE, MockEngine
-from runtime.request import FinishReason, SamplingFieldError, SamplingParams
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.cli.serve import _build_engine, _config_from_args, build_parser
+from jax_llm_runtime.runtime.config import DEFAULT_MAX_WAITING, EngineConfig
+from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
+from jax_llm_runtime.runtime.engine.mock import VOCAB_SIZE, MockEngine
+from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingFieldError, SamplingParams
 from tests.api.conftest import assert_error, sse_chunks
 from tests.api.inprocess import app_client
 from tests.api.stub_engine import stub_engine

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from api.app import create_app
-from api.chat_client import REASONING_LABEL, ChatError, ReplyRenderer, sse_data
-from api.config import ServerConfig
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.cli.chat_client import REASONING_LABEL, ChatError, ReplyRenderer, sse_data
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.inprocess import serve_in_thread
 from tests.serve_process import REPO_ROOT
 
@@ -30,7 +30,11 @@ THINK = ("<think>", "</think>")
 
 def chat_command() -> list[str]:
     script = Path(sys.executable).with_name("runtime-chat")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "api.chat_client"]
+    return (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-m", "jax_llm_runtime.api.cli.chat_client"]
+    )
 
 
 def client_env(**extra: str) -> dict[str, str]:

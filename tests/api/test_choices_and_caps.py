@@ -6,9 +6,9 @@ from typing import Any
 
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.config import ServerConfig
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import assert_error, sse_chunks
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}]}

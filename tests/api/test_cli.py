@@ -1,4 +1,4 @@
-"""``runtime-serve`` (``python -m api.cli``): flag errors, and an end-to-end run with the openai SDK."""
+"""``runtime-serve`` (``python -m api.cli.serve``): flag errors, and an end-to-end run with the openai SDK."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from api.cli import build_parser
+from jax_llm_runtime.api.cli.serve import build_parser
 from tests.serve_process import REPO_ROOT, running_server
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
+        [sys.executable, "-m", "jax_llm_runtime.api.cli.serve", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.cli import _config_from_args, build_parser
+from jax_llm_runtime.api.cli.serve import _config_from_args, build_parser
 from tests.api.test_cli import run_cli
 
 

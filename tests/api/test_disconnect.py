@@ -16,8 +16,8 @@ import httpx
 import pytest
 import uvicorn
 
-from api.app import create_app
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 
 LONG = {"prompt": "a", "max_tokens": 200, "stream": True}
 

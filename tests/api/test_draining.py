@@ -1,4 +1,4 @@
-"""Graceful shutdown inside the app (``api.draining``): new requests refused, /health 503, those
+"""Graceful shutdown inside the app (``api.service.draining``): new requests refused, /health 503, those
 in flight finish or, past the timeout, end with an error; the engine is shut down once.
 
 ``tests/e2e/test_sigterm.py`` sends the real signal to a ``runtime-serve`` process.
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from api.app import create_app
-from api.draining import Drain
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.service.draining import Drain
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import assert_error, sse_data
 from tests.api.inprocess import app_client
 from tests.api.stub_engine import stub_engine

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import MAX_MODEL_LEN, assert_error
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from api.app import create_app
-from runtime.request import SamplingParams
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.api.conftest import assert_error, sse_data
 from tests.api.inprocess import app_client
 from tests.api.stub_engine import stub_engine

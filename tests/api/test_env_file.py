@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import pytest
 
-from api import chat_client, cli
-from api.env_file import load_env_file, parse_env_file
+from jax_llm_runtime.api.cli import chat_client
+from jax_llm_runtime.api.cli import serve as cli
+from jax_llm_runtime.api.cli.env_file import load_env_file, parse_env_file
 
 
 def unset(monkeypatch: pytest.MonkeyPatch, name: str) -> None:

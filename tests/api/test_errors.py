@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.config import ServerConfig
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import MAX_MODEL_LEN, assert_error
 
 Client = TestClient[Any]
@@ -220,7 +220,7 @@ def test_litestar_validation_errors_use_the_envelope() -> None:
     """Handlers that let Litestar validate parameters get the envelope too, naming the key."""
     from litestar import Litestar, get
 
-    from api.errors import exception_handlers
+    from jax_llm_runtime.api.protocol.errors import exception_handlers
 
     @get("/count", sync_to_thread=False)
     def count(n: int) -> dict[str, int]:

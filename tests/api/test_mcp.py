@@ -1,4 +1,4 @@
-"""MCP servers (``api.mcp``): a real stdio server (``tests/mcp_calc_server.py``, the official SDK's
+"""MCP servers (``api.mcp.client``): a real stdio server (``tests/mcp_calc_server.py``, the official SDK's
 server side) and a streamable HTTP one; names, limits, environment, startup errors, the config
 file, and the tools reaching chat requests (which get the calls back, never run here)."""
 
@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from api.app import create_app
-from api.config import ServerConfig
-from api.mcp import MAX_TOOL_NAME, McpClients, McpStartupError
-from api.mcp_config import McpServerConfig, load_mcp_config
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.mcp.client import MAX_TOOL_NAME, McpClients, McpStartupError
+from jax_llm_runtime.api.mcp.config import McpServerConfig, load_mcp_config
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.inprocess import serve_in_thread
 from tests.api.mcp_helpers import CALC_SCRIPT, calc_server, hermes_call
 from tests.serve_process import REPO_ROOT
@@ -197,7 +197,15 @@ def test_a_config_file_with_both_kinds(tmp_path: Path) -> None:
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", "--mock-engine", "--port", "0", *args],
+        [
+            sys.executable,
+            "-m",
+            "jax_llm_runtime.api.cli.serve",
+            "--mock-engine",
+            "--port",
+            "0",
+            *args,
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

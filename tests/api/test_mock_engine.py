@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.mock_engine import BOS_ID, EOS_ID, MockEngine, MockTokenizer
-from runtime.request import FinishReason, GenerationDelta, SamplingParams
+from jax_llm_runtime.runtime.engine.mock import BOS_ID, EOS_ID, MockEngine, MockTokenizer
+from jax_llm_runtime.runtime.engine.request import FinishReason, GenerationDelta, SamplingParams
 
 
 async def run(engine: MockEngine, prompt: str, **sampling: object) -> list[GenerationDelta]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.models_config import load_models_config
-from runtime.config import EngineConfig
+from jax_llm_runtime.api.cli.models_config import load_models_config
+from jax_llm_runtime.runtime.config import EngineConfig
 from tests.serve_process import REPO_ROOT, running_server
 
 TWO_MODELS = """
@@ -123,7 +123,7 @@ def test_an_unreadable_file_is_one_line(tmp_path: Path) -> None:
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
+        [sys.executable, "-m", "jax_llm_runtime.api.cli.serve", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -13,10 +13,10 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from api.config import SamplingDefaults, ServerConfig
-from api.model_registry import ServedModel
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.service.served_models import ServedModel
+from jax_llm_runtime.api.service.settings import SamplingDefaults, ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import assert_error, sse_chunks
 
 Client = TestClient[Any]

@@ -15,9 +15,14 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from api.app import create_app
-from api.protocol import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.protocol.bodies import (
+    MAX_MESSAGES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+)
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import MAX_MODEL_LEN
 from tests.api.inprocess import serve_in_thread
 from tests.openapi_fuzz import run_fuzz

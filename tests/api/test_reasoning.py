@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.reasoning import ReasoningParser
-from runtime.mock_engine import MockEngine
-from runtime.tokenizer import detect_reasoning_markers
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.generation.reasoning import ReasoningParser
+from jax_llm_runtime.runtime.engine.mock import MockEngine
+from jax_llm_runtime.runtime.text.tokenizer import detect_reasoning_markers
 from tests.api.conftest import assert_error, sse_chunks
 
 START, END = "<think>", "</think>"

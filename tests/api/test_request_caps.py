@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.config import ServerConfig
-from api.limits import MAX_REQUEST_HEADER_BYTES
-from api.protocol import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_TOOLS
-from runtime.mock_engine import VOCAB_SIZE, MockEngine
-from runtime.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.protocol.bodies import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_TOOLS
+from jax_llm_runtime.api.service.limits import MAX_REQUEST_HEADER_BYTES
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import VOCAB_SIZE, MockEngine
+from jax_llm_runtime.runtime.engine.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from tests.api.conftest import assert_error
 
 Client = TestClient[Any]
@@ -166,7 +166,7 @@ def test_echo_with_logprobs_on_a_stopped_engine_is_503(
     client: Client, engine: MockEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def stopped(*_: Any) -> None:
-        raise RuntimeError("the engine is not running")  # what runtime.engine.Engine raises
+        raise RuntimeError("the engine is not running")  # what runtime.engine.core.Engine raises
 
     monkeypatch.setattr(engine, "prompt_logprobs", stopped)
     engine.mark_unhealthy()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from api.app import create_app
+from jax_llm_runtime.api.app import create_app
 from tests.api.conftest import assert_error, sse_data
 from tests.api.inprocess import app_client
 from tests.api.stub_engine import stub_engine

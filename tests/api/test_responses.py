@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from api.app import create_app
-from api.config import ServerConfig
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import assert_error
 from tests.api.inprocess import serve_in_thread
 from tests.api.mcp_helpers import calc_server, hermes_call

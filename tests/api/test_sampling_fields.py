@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 from tests.api.conftest import assert_error, sse_chunks
 
 Client = TestClient[Any]

@@ -12,12 +12,12 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from api.cli import build_parser
-from api.config import SamplingDefaults, ServerConfig
-from api.routes.service import package_version
-from api.service_flags import generation_config_defaults, server_config
-from runtime.mock_engine import BOS_ID, MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.cli.serve import build_parser
+from jax_llm_runtime.api.cli.service_flags import generation_config_defaults, server_config
+from jax_llm_runtime.api.routes.service import package_version
+from jax_llm_runtime.api.service.settings import SamplingDefaults, ServerConfig
+from jax_llm_runtime.runtime.engine.mock import BOS_ID, MockEngine
 from tests.api.conftest import assert_error, sse_chunks
 
 Client = TestClient[Any]

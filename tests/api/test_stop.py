@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.stop import StopStringMatcher
+from jax_llm_runtime.runtime.text.stop_strings import StopStringMatcher
 
 
 def feed_all(stop: tuple[str, ...], pieces: list[str]) -> tuple[list[str], bool]:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.tool_parsers import (
+from jax_llm_runtime.api.tool_calling.parsers import (
     PARSERS,
     ContentDelta,
     ParsedOutput,

@@ -15,14 +15,14 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.cli import build_parser
-from api.config import ServerConfig
-from api.service_flags import server_config
-from api.ui import STATIC_DIR
-from api.ui.port_server import UiPortError, create_ui_app, start_ui_port
-from api.ui.settings import UiConfig
-from runtime.mock_engine import MockEngine
+from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.cli.serve import build_parser
+from jax_llm_runtime.api.cli.service_flags import server_config
+from jax_llm_runtime.api.service.settings import ServerConfig
+from jax_llm_runtime.api.ui import STATIC_DIR
+from jax_llm_runtime.api.ui.port_server import UiPortError, create_ui_app, start_ui_port
+from jax_llm_runtime.api.ui.settings import UiConfig
+from jax_llm_runtime.runtime.engine.mock import MockEngine
 
 CONTENT_TYPES = {
     ".js": "text/javascript",
@@ -81,7 +81,7 @@ def test_the_page_needs_no_api_key_but_the_api_does(engine: MockEngine) -> None:
 
 
 def test_assets_ship_as_package_data_with_their_licences() -> None:
-    static = files("api.ui") / "static"
+    static = files("jax_llm_runtime.api.ui") / "static"
     assert (static / "index.html").is_file()
     for name in (*VENDORED, "LICENSE.marked", "LICENSE.dompurify", "LICENSE.highlightjs"):
         assert (static / "vendor" / name).is_file(), name

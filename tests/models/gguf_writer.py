@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
 from tests.models.gguf_writer_metadata import (
     deepseek_metadata,
     gemma2_metadata,

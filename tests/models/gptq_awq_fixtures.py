@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pallas_kernels.dequant_matmul.formats import HostPacked
-from pallas_kernels.dequant_matmul.gptq import pack_awq, pack_gptq
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import pack_awq, pack_gptq
 from tests.models.harness import TINY, save_random_model
 
 LINEARS = (

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.batch import StepBatch
-from models.registry import get_model_spec
-from pallas_kernels.paged_attention import KVCache
-from runtime.gguf_loader import Checkpoint
-from runtime.hf_loader import load_hf_checkpoint
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.registry import get_model_spec
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint
+from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 
 PROMPT_LENS = (5, 13, 22)
 NEW_TOKENS = 16

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.isq import packer
-from models.layers.expert_offload import (
+from jax_llm_runtime.models.isq import packer
+from jax_llm_runtime.models.layers.expert_offload import (
     EXPERT_FIELDS,
     HOST_SUFFIX,
     ExpertOffload,
     split_stack,
     to_host_memory,
 )
-from models.layers.moe import MoEConfig, moe_mlp
-from pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.models.layers.moe import MoEConfig, moe_mlp
+from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
 from tests.models.test_moe import HIDDEN, build_case, random_input
 
 NUM_EXPERTS = 8

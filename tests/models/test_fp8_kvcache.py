@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import FP8, KVCache, kv_scale_shape
+from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_scale_shape
 from tests.models.harness import (
     NEW_TOKENS,
     TINY,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.gguf_loader import load_gguf_checkpoint
+from jax_llm_runtime.runtime.loading.gguf.loader import load_gguf_checkpoint
 from tests.models.gguf_writer import write_gguf
 from tests.models.harness import check_model, load_checkpoint
 from tests.runtime.test_gguf_archs import CASES, _random_model

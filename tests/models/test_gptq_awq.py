@@ -1,6 +1,6 @@
 """GPTQ and AWQ 4-bit checkpoints: the packers and unpackers of
 ``pallas_kernels.dequant_matmul.gptq`` against independent dequantizers of the published formats,
-``runtime.hf_loader`` on tiny quantized Llama folders, ``tools/convert_awq.py``, and the errors.
+``runtime.loading.hf_loader`` on tiny quantized Llama folders, ``tools/convert_awq.py``, and the errors.
 Test checkpoints are packed here from random weights (see ``gptq_awq_fixtures``).
 """
 
@@ -15,9 +15,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pallas_kernels.dequant_matmul.formats import HostPacked
-from pallas_kernels.dequant_matmul.gptq import from_awq, from_gptq, pack_awq, pack_gptq
-from runtime.hf_loader import HFCheckpointError, load_hf_checkpoint
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import (
+    from_awq,
+    from_gptq,
+    pack_awq,
+    pack_gptq,
+)
+from jax_llm_runtime.runtime.loading.hf_loader import HFCheckpointError, load_hf_checkpoint
 from tests.models.gptq_awq_fixtures import (
     LINEARS,
     awq_config,
@@ -126,7 +131,7 @@ def test_awq_interleave_by_hand():
 
 def test_packed_weight_dequantizes_the_same():
     """The HostPacked goes through the runtime's own dequantizer to the same floats."""
-    from pallas_kernels.dequant_matmul import dequantize as device_dequantize
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import dequantize as device_dequantize
 
     ints = random_ints(K, N, 64, np.random.default_rng(11), zeros=(1, 15))
     t = pack_gptq(ints.codes, ints.zeros, ints.scales, group_size=64)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.layers.linear import QuantizedWeight, quantize_int8
-from runtime.hf_loader import load_hf_checkpoint
+from jax_llm_runtime.models.layers.linear import QuantizedWeight, quantize_int8
+from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from tests.models.harness import TINY, Loaded, check_model, save_random_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -30,7 +30,7 @@ def test_int8_model_matches_hf_on_dequantized_weights(tmp_path: Path, tied: bool
     import torch
     from transformers import LlamaConfig
 
-    from models.registry import get_model_spec
+    from jax_llm_runtime.models.registry import get_model_spec
 
     hf_model = save_random_model(LlamaConfig(**TINY, tie_word_embeddings=tied), tmp_path)
     checkpoint = load_hf_checkpoint(tmp_path)
@@ -65,8 +65,8 @@ def test_int8_operands_round_the_activations_of_int8_weights() -> None:
     sequence decoding alone) is rounded the same, so its output does not depend on its batch."""
     import jax.numpy as jnp
 
-    from models.layers.linear import linear
-    from pallas_kernels.dequant_matmul.reference import quantize_activations
+    from jax_llm_runtime.models.layers.linear import linear
+    from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import quantize_activations
 
     rng = np.random.default_rng(1)
     q = quantize_int8(rng.standard_normal((64, 48)).astype(np.float32), "int8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.layers.rotary import RopeConfig, rope_from_hf
+from jax_llm_runtime.models.layers.rotary import RopeConfig, rope_from_hf
 from tests.models.harness import TINY, check_against_hf
 
 LLAMA3_ROPE = {

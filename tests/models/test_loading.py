@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from models.registry import UnsupportedArchitectureError, get_model_spec, model_config_from_hf
+from jax_llm_runtime.models.registry import (
+    UnsupportedArchitectureError,
+    get_model_spec,
+    model_config_from_hf,
+)
 from tests.api.test_cli import run_cli
 from tests.models.harness import TINY, check_model, load_ours
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.batch import StepBatch
-from models.layers.mla import (
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.mla import (
     MLA_WEIGHT_RULES,
     MLAConfig,
     mla_cache_shapes,
@@ -27,8 +27,8 @@ from models.layers.mla import (
     mla_weight_shapes,
     paged_mla,
 )
-from models.weights import load_weights
-from pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.models.weights import load_weights
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
 HIDDEN = 64
 NUM_LAYERS = 2
@@ -284,7 +284,7 @@ def test_causal_matches_hf(ref):
 
 
 def test_config_validation():
-    from models.layers.rotary import RopeConfig
+    from jax_llm_runtime.models.layers.rotary import RopeConfig
 
     rope = RopeConfig(theta=10000.0, rotary_dim=8)
     base = dict(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.moe import (
+from jax_llm_runtime.models.layers.moe import (
     MoEConfig,
     experts_gathered,
     experts_grouped,

@@ -46,7 +46,7 @@ def test_qwen3_moe_with_dense_first_layer(tmp_path):
 
 
 def test_interleaved_moe_layers_are_refused():
-    from models.registry import get_model_spec
+    from jax_llm_runtime.models.registry import get_model_spec
 
     hf = {**TINY, "num_experts": 4, **MOE, "mlp_only_layers": [1]}
     with pytest.raises(ValueError, match="interleaved"):

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from models.batch import StepBatch
-from pallas_kernels import cpu_choice
-from pallas_kernels.paged_attention import native
-from runtime.builder import with_native_kernels
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.pallas_kernels import cpu_choice
+from jax_llm_runtime.pallas_kernels.paged_attention import native
+from jax_llm_runtime.runtime.loading.builder import with_native_kernels
 from tests.models.harness import (
     TINY,
     Loaded,

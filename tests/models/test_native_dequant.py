@@ -16,12 +16,12 @@ import jax
 import numpy as np
 import pytest
 
-from models.batch import StepBatch
-from models.registry import get_model_spec
-from pallas_kernels import cpu_choice
-from pallas_kernels.dequant_matmul import PackedWeight, native
-from runtime.gguf_loader import load_gguf_checkpoint
-from runtime.tokenizer import Tokenizer
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.registry import get_model_spec
+from jax_llm_runtime.pallas_kernels import cpu_choice
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight, native
+from jax_llm_runtime.runtime.loading.gguf.loader import load_gguf_checkpoint
+from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 from tests.models.harness import Loaded, PagedRunner, greedy_paged
 
 
@@ -93,7 +93,7 @@ def test_the_tied_head_takes_the_path_measured_faster_per_row_count(
     """The Q8_0 tied embedding is kept packed as the LM head where the kernel won one row; a
     batch reads it packed only where the kernel also won the large class (an AVX2 CPU measured
     the float32 head's dot faster at 16 rows). Both give the float head's logits."""
-    from models import decoder
+    from jax_llm_runtime.models import decoder
 
     monkeypatch.setattr(
         cpu_choice,

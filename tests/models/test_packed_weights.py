@@ -21,12 +21,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import LlamaConfig
 
-from models.decoder import QUANTIZATIONS
-from models.isq import ISQ_TYPES, block_type, packer
-from pallas_kernels.dequant_matmul import PackedWeight
-from pallas_kernels.dequant_matmul.host import dequantize_host
-from pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
-from runtime.gguf_loader import load_gguf_checkpoint
+from jax_llm_runtime.models.decoder import QUANTIZATIONS
+from jax_llm_runtime.models.isq import ISQ_TYPES, block_type, packer
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
+from jax_llm_runtime.runtime.loading.gguf.loader import load_gguf_checkpoint
 from tests.models.gguf_writer import write_gguf
 from tests.models.harness import PagedRunner, check_model, load_checkpoint
 from tests.runtime.test_gguf_archs import _random_model
@@ -179,7 +179,7 @@ def test_moe_gguf_keeps_experts_packed(case: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_bfloat16_operands_are_the_rounded_products_summed_in_float32(rows: int) -> None:
-    from pallas_kernels.dequant_matmul import dequant_matmul
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import dequant_matmul
 
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((256, 96)).astype(np.float32)
@@ -210,7 +210,7 @@ def test_rounded_operands_keep_the_model_close_to_hf(
 
     import torch
 
-    from pallas_kernels.dequant_matmul import native as native_dequant
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
     from tests.models.harness import prompts
 
     if native and not native_dequant.available():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
+from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
 
 HEAD_DIM = 32
 # 16 frequencies; with theta 1e4 and an original context of 4096 yarn's ramp covers dims ~5..12,

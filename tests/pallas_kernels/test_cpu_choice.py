@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from pallas_kernels import cpu_choice, native
-from pallas_kernels.dequant_matmul import PackedLayer, ops
-from pallas_kernels.native import calibration
-from pallas_kernels.paged_attention import attention
+from jax_llm_runtime.pallas_kernels import cpu_choice, native
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, ops
+from jax_llm_runtime.pallas_kernels.native import calibration
+from jax_llm_runtime.pallas_kernels.paged_attention import attention
 
 REPO = Path(__file__).resolve().parents[2]
 needs_kernels = pytest.mark.skipif(
@@ -88,9 +88,9 @@ def test_a_lower_build_on_request_and_one_the_cpu_lacks_refused(
 
 LEVEL_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import native
-from pallas_kernels.native.calibration import _gguf_weight
-from pallas_kernels.dequant_matmul import native as dq, reference
+from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.native.calibration import _gguf_weight
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as dq, reference
 from gguf import GGMLQuantizationType as T
 print(native.cpu_isa().name)
 rng = np.random.default_rng(0)
@@ -105,7 +105,7 @@ for qtype, rows in ((T.Q4_1, 1), (T.Q8_0, 5), (T.Q4_K, 3), (T.Q6_K, 9), (T.Q5_0,
         atol = 2e-5 * np.abs(want).max(axis=1, keepdims=True)
         bad = np.abs(np.asarray(got) - want) > atol + 2e-4 * np.abs(want)
         assert not bad.any(), (qtype.name, int8, np.asarray(got)[bad], want[bad])
-from pallas_kernels.paged_attention import native as pa, reference as pa_ref
+from jax_llm_runtime.pallas_kernels.paged_attention import native as pa, reference as pa_ref
 for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
     k = jnp.asarray(rng.standard_normal((1, 12, 16, 2, 64)), dtype)
     v = jnp.asarray(rng.standard_normal((1, 12, 16, 2, 64)), dtype)

@@ -17,9 +17,9 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 from jax import export
 
-from pallas_kernels.dequant_matmul import kernel, ops, reference, tuning
-from pallas_kernels.dequant_matmul.formats import HostPacked, PackedWeight
-from pallas_kernels.dequant_matmul.gguf_blocks import DECODERS, from_gguf
+from jax_llm_runtime.pallas_kernels.dequant_matmul import kernel, ops, reference, tuning
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked, PackedWeight
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import DECODERS, from_gguf
 
 TYPES = list(DECODERS)
 QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)

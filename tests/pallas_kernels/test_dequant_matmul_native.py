@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from pallas_kernels.dequant_matmul import PackedLayer, native, ops, reference
-from pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
-from pallas_kernels.dequant_matmul.host import stack
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, native, ops, reference
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
+from jax_llm_runtime.pallas_kernels.dequant_matmul.host import stack
 from tests.pallas_kernels.test_dequant_matmul import (
     TYPES,
     assert_close,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (
+from jax_llm_runtime.pallas_kernels.paged_attention import (
     FP8,
     KVCache,
     attention,

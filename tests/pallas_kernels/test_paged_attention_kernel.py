@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import attention, kernel, reference, tuning
+from jax_llm_runtime.pallas_kernels.paged_attention import attention, kernel, reference, tuning
 
 TOL = 1e-5
 HEAD_DIM, PAGE_SIZE, LAYER = 16, 4, 1

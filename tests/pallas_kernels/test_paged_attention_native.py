@@ -20,7 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import KVCache, attention, native, reference, write_cache
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    KVCache,
+    attention,
+    native,
+    reference,
+    write_cache,
+)
 from tests.pallas_kernels.test_paged_attention_fp8 import _zeroed, fp8_case
 from tests.pallas_kernels.test_paged_attention_kernel import (
     CHUNK_7,
@@ -222,7 +228,7 @@ def test_entry_point_falls_back_to_the_reference(monkeypatch):
 
 def test_switched_off_by_the_environment():
     # What the fallback above stands in for, as a server sees it: no kernel, so the reference.
-    code = "from pallas_kernels.paged_attention import native; print(native.available())"
+    code = "from jax_llm_runtime.pallas_kernels.paged_attention import native; print(native.available())"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "RUNTIME_NATIVE_KERNELS": "0"},

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import KVCache, kv_cache_shape, paged_attention, write_kv
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    KVCache,
+    kv_cache_shape,
+    paged_attention,
+    write_kv,
+)
 
 NUM_LAYERS, NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, HEADS = 2, 32, 4, 2, 8, 6
 

@@ -16,8 +16,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from pallas_kernels.dequant_matmul import quantize
-from pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
+from jax_llm_runtime.pallas_kernels.dequant_matmul import quantize
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import QUANT_TYPES, quantize_rows
 
 SIMPLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import sys
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
-from runtime.data_parallel import DataParallelEngine
-from runtime.sharding import device_bytes
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.loading.builder import build_engine
+from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
+from jax_llm_runtime.runtime.parallel.sharding import device_bytes
 from tests.runtime.tensor_parallel_run import greedy_tokens
 
 PROMPTS = [[1, 5, 9, 13, 200], [7, 7, 7], list(range(40, 75)), [3, 1, 4, 1, 5, 9, 2, 6]]

@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from pallas_kernels.dequant_matmul.quantize import quantize_rows
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import quantize_rows
 from tests.models.gguf_writer_metadata import llama_metadata
 
 ALIGNMENT = 64  # the base file's general.alignment (not the default, so that it matters)

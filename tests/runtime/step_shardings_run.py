@@ -16,10 +16,10 @@ import sys
 import jax
 import numpy as np
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
-from runtime.model_runner import _empty_inputs
-from runtime.sharding import replicated_sharding
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.model_runner import _empty_inputs
+from jax_llm_runtime.runtime.loading.builder import build_engine
+from jax_llm_runtime.runtime.parallel.sharding import replicated_sharding
 
 
 def check(folder: str, size: int) -> dict:

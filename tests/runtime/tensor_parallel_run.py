@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 
-from runtime.builder import build_engine
-from runtime.config import EngineConfig
-from runtime.request import SamplingParams
-from runtime.sharding import device_bytes
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.loading.builder import build_engine
+from jax_llm_runtime.runtime.parallel.sharding import device_bytes
 
 PROMPTS = [[1, 5, 9, 13, 200], [7, 7, 7], list(range(40, 75))]
 

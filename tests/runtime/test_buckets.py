@@ -1,6 +1,6 @@
 import pytest
 
-from runtime.buckets import BucketPlan, pick
+from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ def test_pick_rejects_oversized():
 
 
 def test_prefill_chunks_fill_a_bucket_and_only_the_last_pads():
-    from runtime.buckets import fit_chunk
+    from jax_llm_runtime.runtime.engine.buckets import fit_chunk
 
     lens = BucketPlan.build(8, 8192, 8192, page_size=16).prefill_lens
     assert lens[:4] == (32, 64, 128, 256)

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from runtime import chat_template
-from runtime.chat_template import ChatTemplateError, render_chat_template
+from jax_llm_runtime.runtime.text import chat_template
+from jax_llm_runtime.runtime.text.chat_template import ChatTemplateError, render_chat_template
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"

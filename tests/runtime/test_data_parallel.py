@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.data_parallel import DataParallelEngine
-from runtime.interface import EngineOverloadedError
-from runtime.stats import EngineStats
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
+from jax_llm_runtime.runtime.engine.stats import EngineStats
+from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.request import SamplingParams
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.request import FinishReason, SamplingParams
+from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
 from tests.smollm2 import chat_ids
 
 pytestmark = pytest.mark.slow
@@ -86,9 +86,9 @@ def test_greedy_tokens_and_logits_match_hf(engine, hf):
 
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits at the last prompt token from a fresh cache with the engine's weights."""
-    from models.batch import StepBatch
-    from models.registry import get_model_spec
-    from pallas_kernels.paged_attention import KVCache
+    from jax_llm_runtime.models.batch import StepBatch
+    from jax_llm_runtime.models.registry import get_model_spec
+    from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
     runner = engine.runner
     spec = get_model_spec("LlamaForCausalLM")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.request import SamplingParams
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
@@ -60,8 +60,8 @@ def _configs():
 def test_engine_greedy_matches_hf(tmp_path: Path, name: str, hf_config) -> None:
     import torch
 
-    from runtime.builder import build_engine
-    from runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     hf_model = save_random_model(hf_config, tmp_path)
     save_byte_tokenizer(tmp_path)

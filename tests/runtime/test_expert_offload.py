@@ -17,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.expert_offload import ExpertOffload
-from models.layers.moe import MoEConfig
-from runtime.config import EngineConfig
-from runtime.expert_offload import log_expert_offload, with_expert_offload
+from jax_llm_runtime.models.layers.expert_offload import ExpertOffload
+from jax_llm_runtime.models.layers.moe import MoEConfig
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
+    log_expert_offload,
+    with_expert_offload,
+)
 from tests.models.harness import save_random_model
 from tests.models.tiny_tokenizer import save_byte_tokenizer
 from tests.runtime.test_tensor_parallel import BASE, REPO, run_sharded
@@ -145,7 +148,9 @@ def test_startup_logs_the_device_bytes_saved(caplog: pytest.LogCaptureFixture) -
         "e_gate": jnp.zeros((2, 4, 64, 32)),  # 64 KiB
         "e_gate_host": jax.device_put(np.zeros((2, 4, 64, 32), np.float32), jax.memory.Space.Host),
     }
-    with caplog.at_level(logging.INFO, logger="runtime.expert_offload"):
+    with caplog.at_level(
+        logging.INFO, logger="jax_llm_runtime.runtime.parallel.expert_offload_plan"
+    ):
         log_expert_offload(config, weights)
     assert "4 of the 8 routed experts per rank in pinned host memory" in caplog.text
     assert "holds 0.1 MB of weights, 0.1 MB less than without offload" in caplog.text
@@ -168,7 +173,7 @@ def test_cli_refuses_offload_for_a_dense_model_in_one_line(tmp_path: Path) -> No
         "/dev/null",
     ]
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
+        [sys.executable, "-m", "jax_llm_runtime.api.cli.serve", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

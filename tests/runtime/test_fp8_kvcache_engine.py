@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.request import SamplingParams
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
@@ -40,7 +40,7 @@ def _generate(engine, prompts: list[str]) -> list[tuple[list[int], list[float]]]
 
 
 def _run(folder: Path, kv_cache_dtype: str):
-    from runtime.builder import build_engine
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     config = EngineConfig(
         model_id=str(folder),

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.request import SamplingParams
-from runtime.sources import resolve_model_source
+from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,8 @@ def gemma3_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(gemma3_gguf: Path):
-    from runtime.builder import build_engine
-    from runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
         EngineConfig(model_id=str(gemma3_gguf), max_num_seqs=8, max_model_len=256, dtype="float32")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.gguf_loader import Checkpoint, GGUFError, load_gguf_checkpoint
+from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, GGUFError, load_gguf_checkpoint
 from tests.models.gguf_writer import write_gguf
 
 torch = pytest.importorskip("torch")
@@ -297,7 +297,7 @@ def test_split_gguf_shards_must_match(tmp_path: Path) -> None:
 
 
 def test_split_gguf_folder_resolves_to_first_shard(tmp_path: Path) -> None:
-    from runtime.sources import resolve_model_source
+    from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
     model = _random_model(CASES["qwen3"]())
     files = write_gguf(model, model.config, tmp_path / "m.gguf", split_into=3)
@@ -326,7 +326,7 @@ def test_hub_first_shard_fetches_all_shards(
 ) -> None:
     import huggingface_hub
 
-    from runtime.sources import resolve_model_source
+    from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
     asked = []
 
@@ -349,7 +349,7 @@ def test_wrong_typed_metadata_raises_gguf_error_or_loads(case: str, tmp_path: Pa
     never another exception."""
     import gguf
 
-    from runtime.gguf_reader import dequantize_tensor, read_gguf_header
+    from jax_llm_runtime.runtime.loading.gguf.reader import dequantize_tensor, read_gguf_header
 
     model = _random_model(CASES[case]())
     source = write_gguf(model, model.config, tmp_path / "m.gguf")[0]

@@ -29,8 +29,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.registry import model_config_from_hf
-from runtime.gguf_loader import GGUFError, load_gguf_checkpoint, read_gguf_header
+from jax_llm_runtime.models.registry import model_config_from_hf
+from jax_llm_runtime.runtime.loading.gguf.loader import (
+    GGUFError,
+    load_gguf_checkpoint,
+    read_gguf_header,
+)
 from tests.runtime.gguf_fuzz_base import (
     ALIGNMENT,
     ARRAY,

@@ -9,7 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.gguf_loader import GGUFError, load_gguf_checkpoint, read_gguf_header
+from jax_llm_runtime.runtime.loading.gguf.loader import (
+    GGUFError,
+    load_gguf_checkpoint,
+    read_gguf_header,
+)
 from tests.runtime.gguf_fixtures import TINY_LLAMA, write_tiny_llama_gguf
 
 

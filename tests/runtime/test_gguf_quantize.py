@@ -14,10 +14,10 @@ import pytest
 from gguf.quants import dequantize
 from transformers import LlamaConfig
 
-from pallas_kernels.dequant_matmul import PackedWeight
-from pallas_kernels.dequant_matmul.quantize import quantize_rows
-from runtime.gguf_loader import load_gguf_checkpoint
-from runtime.gguf_quantize import requantize_gguf
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+from jax_llm_runtime.pallas_kernels.dequant_matmul.quantize import quantize_rows
+from jax_llm_runtime.runtime.loading.gguf.loader import load_gguf_checkpoint
+from jax_llm_runtime.runtime.loading.gguf.quantize import requantize_gguf
 from tests.models.gguf_writer import write_gguf
 from tests.models.harness import load_checkpoint
 from tests.runtime.test_gguf_archs import _random_model

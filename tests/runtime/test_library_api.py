@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.library import InferenceEngine
+from jax_llm_runtime.runtime.library.inference_engine import InferenceEngine
 from tests.serve_process import REPO_ROOT
 
 DOC = REPO_ROOT / "LIBRARY_API.md"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import pytest
 
-from runtime import DeviceUnavailableError, InferenceEngine
-from runtime.config import EngineConfig
-from runtime.library import sampling_from_options
-from runtime.library_builder import engine_config
-from runtime.platform import PLATFORMS, available_platforms, select_platform
-from runtime.request import SamplingParams
-from runtime.sources import ModelSourceError
+from jax_llm_runtime.runtime import DeviceUnavailableError, InferenceEngine
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.library.builder import engine_config
+from jax_llm_runtime.runtime.library.inference_engine import sampling_from_options
+from jax_llm_runtime.runtime.loading.sources import ModelSourceError
+from jax_llm_runtime.runtime.platform import PLATFORMS, available_platforms, select_platform
 
 
 def test_builder_methods_map_to_engine_config_fields() -> None:

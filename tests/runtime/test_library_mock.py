@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from runtime import GenerationError, InferenceEngine
-from runtime.mock_engine import EMBED_DIM, EOS_ID, MockEngine
+from jax_llm_runtime.runtime import GenerationError, InferenceEngine
+from jax_llm_runtime.runtime.engine.mock import EMBED_DIM, EOS_ID, MockEngine
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from runtime.loop_thread import LoopThread
+from jax_llm_runtime.runtime.library.loop_thread import LoopThread
 
 
 @pytest.fixture

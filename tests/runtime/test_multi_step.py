@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.request import SamplingParams
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
@@ -32,8 +32,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _run(folder: Path, decode_steps: int, sampling: SamplingParams) -> tuple[list, int]:
-    from runtime.builder import build_engine
-    from runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
         EngineConfig(

@@ -1,6 +1,6 @@
 import pytest
 
-from runtime.page_allocator import OutOfPagesError, PageAllocator, page_hash
+from jax_llm_runtime.runtime.engine.page_allocator import OutOfPagesError, PageAllocator, page_hash
 
 
 def test_allocate_and_free_round_trip():

@@ -1,4 +1,4 @@
-"""runtime/perplexity.py and tools/perplexity.py on a tiny random Llama: the chunked perplexity
+"""runtime/library/perplexity.py and tools/perplexity.py on a tiny random Llama: the chunked perplexity
 equals an independent HF transformers (PyTorch) computation over the same chunks, and bad
 settings are one-line errors."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.perplexity import (
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.library.perplexity import (
     REFERENCE_TEXT_SHA256,
     ChunkScorer,
     LoadedModel,
@@ -26,7 +26,7 @@ from runtime.perplexity import (
     text_sha256,
     text_tokens,
 )
-from runtime.tokenizer import Tokenizer
+from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import BOS, VOCAB_SIZE, save_byte_tokenizer
 from tests.tools import load_tool

@@ -2,8 +2,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.sampler import empty_sampling_metadata
-from runtime.sampler import sample as sample_output
+from jax_llm_runtime.runtime.engine.sampler import empty_sampling_metadata
+from jax_llm_runtime.runtime.engine.sampler import sample as sample_output
 
 
 def meta(n, temperature=0.0, top_k=0, top_p=1.0, seeds=None, index=0):

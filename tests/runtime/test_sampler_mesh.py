@@ -20,7 +20,7 @@ SCRIPT = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from runtime.sampler import empty_sampling_metadata, sample
+from jax_llm_runtime.runtime.engine.sampler import empty_sampling_metadata, sample
 
 vocab, rows = 49152, 4  # SmolLM2's vocabulary: 16384 columns per device
 mesh = Mesh(np.array(jax.devices()[:3]), ("tp",))

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.request import PENALTY_WINDOW, SamplingParams
-from runtime.sampler import BIAS_SLOTS, empty_sampling_metadata, sample
+from jax_llm_runtime.runtime.engine.request import PENALTY_WINDOW, SamplingParams
+from jax_llm_runtime.runtime.engine.sampler import BIAS_SLOTS, empty_sampling_metadata, sample
 
 VOCAB = 64
 

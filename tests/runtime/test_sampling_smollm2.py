@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from runtime.request import FinishReason, SamplingParams
+from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
 from tests.smollm2 import chat_ids
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def run_all(engine, jobs):
 def int8_engine(smollm2_gguf, request):
     """The same model with int8 activations (``--matmul-dtype int8``), with a float32 and a
     float16 KV cache."""
-    from runtime.builder import build_engine
-    from runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
         EngineConfig(

@@ -1,9 +1,9 @@
 import pytest
 
-from runtime.page_allocator import PageAllocator
-from runtime.request import FinishReason, SamplingParams
-from runtime.scheduler import Scheduler, StepKind
-from runtime.sequence import Sequence, SequenceStatus
+from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
+from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
+from jax_llm_runtime.runtime.engine.scheduler import Scheduler, StepKind
+from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 

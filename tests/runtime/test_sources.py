@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import sources
-from runtime.sources import (
+from jax_llm_runtime.runtime.loading import sources
+from jax_llm_runtime.runtime.loading.sources import (
     ModelSourceError,
     PackagedModel,
     WheelMember,
@@ -215,7 +215,7 @@ def _resolve_offline(hf_home: Path, *args: str) -> subprocess.CompletedProcess[s
     """Resolve in a fresh interpreter: huggingface_hub reads HF_HUB_OFFLINE once, at import."""
     code = (
         "import json, sys\n"
-        "from runtime.sources import resolve_model_source, ModelSourceError\n"
+        "from jax_llm_runtime.runtime.loading.sources import resolve_model_source, ModelSourceError\n"
         "try:\n"
         "    f = resolve_model_source(*sys.argv[1:])\n"
         "    print(json.dumps([f.kind, str(f.path), f.name]))\n"

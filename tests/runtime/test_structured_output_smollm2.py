@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from runtime.grammar import json_schema_grammar, lark_grammar
-from runtime.request import FinishReason, SamplingParams
+from jax_llm_runtime.runtime.engine.grammar import json_schema_grammar, lark_grammar
+from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
 from tests.smollm2 import chat_ids
 
 pytestmark = pytest.mark.slow

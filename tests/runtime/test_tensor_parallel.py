@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sharding import ShardingError, build_mesh, check_divisible
+from jax_llm_runtime.runtime.parallel.sharding import ShardingError, build_mesh, check_divisible
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 

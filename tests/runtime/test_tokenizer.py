@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.chat_template import ChatTemplateError
-from runtime.tokenizer import Tokenizer, TokenizerError
+from jax_llm_runtime.runtime.text.chat_template import ChatTemplateError
+from jax_llm_runtime.runtime.text.tokenizer import Tokenizer, TokenizerError
 
 TEXT = "Hi 🤗 naïve 日本語のテキスト 👨‍👩‍👧 ok 한국어!"
 CONVERSATIONS = [

@@ -8,7 +8,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampler import empty_sampling_metadata, sample
+from jax_llm_runtime.runtime.engine.sampler import empty_sampling_metadata, sample
 from tests.tools import load_tool
 
 

@@ -1,0 +1,512 @@
+"""``runtime-serve``: build an engine from command-line flags and serve it over HTTP.
+
+1. Load ``.env`` from the working directory (``api.cli.env_file``; set variables win), then parse
+   the flags into an ``EngineConfig``, or one per model of ``--models-config`` (the flags as
+   their defaults; ``api.cli.models_config``). Bad values: a one-line ``runtime-serve: error: ...``
+   and exit status 2, before anything heavy is imported.
+2. Build the engines (resolve and load each model; errors: one line, exit status 1).
+3. Serve ``create_app(models)`` with uvicorn; the app's lifespan connects the MCP servers of
+   ``--mcp-config`` (a failure: one line, exit status 1) and starts the engines (compilation and
+   warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
+   is printed (several models: their names joined by commas).
+4. SIGTERM drains (``api.cli.server``): no new requests, up to ``--shutdown-timeout`` for those in
+   flight, the rest aborted, exit status 0. Ctrl-C stops sooner, with exit status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+from jax_llm_runtime.api.cli.cluster_flags import add_cluster_flags, cluster_config
+from jax_llm_runtime.api.cli.env_file import load_env_file
+from jax_llm_runtime.api.cli.models_config import load_models_config
+from jax_llm_runtime.api.cli.service_flags import (
+    add_service_flags,
+    generation_config_defaults,
+    sampling_flags,
+    server_config,
+)
+from jax_llm_runtime.runtime.config import (
+    DEFAULT_MAX_WAITING,
+    DEFAULT_MODEL_ID,
+    DTYPES,
+    ISQ_CHOICES,
+    KV_CACHE_DTYPES,
+    MATMUL_DTYPES,
+    EngineConfig,
+)
+
+if TYPE_CHECKING:
+    from jax_llm_runtime.api.service.served_models import ServedModel
+    from jax_llm_runtime.api.service.settings import ServerConfig
+    from jax_llm_runtime.runtime.engine.interface import EngineClient
+
+PROG = "runtime-serve"
+MODELS_CONFIG_ENV = "RUNTIME_MODELS_CONFIG"
+# Drain, abort and exit within Kubernetes' default 30 s between SIGTERM and SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25
+STARTED = time.monotonic()  # module import: close enough to process start
+logger = logging.getLogger(__name__)
+
+
+def _device_list(text: str) -> tuple[int, ...]:
+    try:
+        devices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected device indices like 0,1,2,3, got {text!r}"
+        ) from None
+    if any(d < 0 for d in devices):
+        raise argparse.ArgumentTypeError(f"device indices must be >= 0, got {text!r}")
+    return devices
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
+    return value
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad flag as one line, ``runtime-serve: error: ...``, and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_model_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--model-id",
+        "--m",
+        default=None,
+        help="a packaged alias (smollm2-135m-instruct, gemma3-270m), a local HF-layout folder, "
+        f"a local .gguf file, or a Hugging Face repo id (default: {DEFAULT_MODEL_ID})",
+    )
+    group.add_argument(
+        "--models-config",
+        default=os.environ.get(MODELS_CONFIG_ENV) or None,
+        metavar="PATH",
+        help="serve the named models of this YAML file (models: {name: {model_id: ..., "
+        "max_num_seqs: ..., ...}}; see example.models.yaml), each with its own engine, routed by "
+        "the request's `model`; options a model leaves out take the engine flags' values; not "
+        "with --model-id, --weight-file or --served-model-name "
+        f"(default: ${MODELS_CONFIG_ENV}, else the one model of --model-id)",
+    )
+    group.add_argument(
+        "--weight-file",
+        "--f",
+        default=None,
+        help="which weight file to use inside the model folder or repo (e.g. one .gguf of many)",
+    )
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weight/activation dtype; auto: float32 on CPU, bfloat16 on accelerators "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model names clients may send and /v1/models lists; responses report the "
+        "first; default: derived from --model-id",
+    )
+
+
+def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add(
+        "--max-num-seqs",
+        type=_int_at_least(1),
+        default=16,
+        help="most sequences per batch (default: %(default)s)",
+    )
+    add(
+        "--max-waiting",
+        type=_int_at_least(0),
+        default=DEFAULT_MAX_WAITING,
+        help="most sequences waiting for a place in the batch; a request that would exceed it "
+        "gets a 503 with Retry-After at once; 0 = no bound (default: %(default)s)",
+    )
+    add(
+        "--max-model-len",
+        type=_int_at_least(16),
+        default=None,
+        help="most tokens (prompt + completion) per sequence; default: the model's context "
+        "length, capped by what the KV cache holds",
+    )
+    add(
+        "--kvcache-mem",
+        "--mem",
+        dest="kvcache_mem_mb",
+        type=_int_at_least(1),
+        default=1024,
+        metavar="MB",
+        help="memory for the paged KV cache, all layers, in MB (default: %(default)s)",
+    )
+    add(
+        "--page-size",
+        type=_int_at_least(1),
+        default=16,
+        help="tokens per KV page, a power of 2 (default: %(default)s)",
+    )
+    add(
+        "--prefill-chunk-size",
+        type=_int_at_least(1),
+        default=8192,
+        help="most prompt tokens one step prefills for one sequence (default: %(default)s)",
+    )
+    add(
+        "--isq",
+        choices=ISQ_CHOICES,
+        default=None,
+        help="quantize the layers' projections at load into a GGUF block type (q4_0 q4_1 q5_0 "
+        "q5_1 q8_0 q2k q3k q4k q5k q6k; k-quants fall back to a 32-block type for widths that are "
+        "not multiples of 256, as llama.cpp does) or int8 (one scale per output channel) "
+        "(default: off)",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache storage: auto = the model dtype; float32, float16 or bfloat16 = that dtype; "
+        "fp8 (or fp8_e4m3) = float8 e4m3 with one scale per token and KV head, about a quarter of "
+        "float32's bytes (default: %(default)s)",
+    )
+    add(
+        "--matmul-dtype",
+        choices=MATMUL_DTYPES,
+        default="auto",
+        help="operands of the quantized projections' matmuls: auto = the model dtype; bfloat16 "
+        "= activations rounded to bfloat16, products summed in float32, except when one "
+        "sequence decodes alone: about 1.5x faster prefill and batched decode on CPUs with "
+        "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
+        "batched with; int8 = activations rounded to int8 blocks of 32 as llama.cpp rounds "
+        "them, multiplied with integer (VNNI) dots by the native CPU kernel, same exception "
+        "(default: %(default)s)",
+    )
+    add(
+        "--fp8-kvcache",
+        dest="kv_cache_dtype",
+        action="store_const",
+        const="fp8",
+        help="same as --kv-cache-dtype fp8",
+    )
+    add(
+        "--decode-steps",
+        type=_int_at_least(0),
+        default=0,
+        help="tokens generated per decode call when no request waits (multi-step decode); "
+        "0 = 1 on CPU, 8 on accelerators (default: %(default)s)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the engine's sampling random stream (default: %(default)s)",
+    )
+    add(
+        "--device",
+        choices=("cpu", "gpu", "tpu", "metal"),
+        default=None,
+        help="JAX platform to run on (gpu = CUDA, metal = Apple GPUs through jax-metal); a "
+        "platform that is not available is an error (default: JAX's own choice)",
+    )
+    add(
+        "--tensor-parallel-size",
+        "--tp",
+        type=_int_at_least(1),
+        default=1,
+        help="devices one model is split over (tensor parallelism: attention and KV heads, MLP "
+        "columns and the vocabulary divided among them; default: %(default)s)",
+    )
+    add(
+        "--data-parallel-size",
+        "--dp",
+        type=_int_at_least(1),
+        default=1,
+        help="replicas of the model, each on its own --tensor-parallel-size devices with its own "
+        "KV cache (--kvcache-mem each) and batch; requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    add(
+        "--devices",
+        "--d",
+        type=_device_list,
+        default=None,
+        metavar="0,1,...",
+        help="indices into JAX's devices to run on, --tensor-parallel-size x "
+        "--data-parallel-size of them, replica by replica (default: the first ones)",
+    )
+    add(
+        "--enable-expert-parallel",
+        dest="expert_parallel",
+        action="store_true",
+        help="split a mixture-of-experts model's routed experts over the --tensor-parallel-size "
+        "devices (each keeps its share of the experts whole) instead of replicating them",
+    )
+    add(
+        "--num-experts-offload-per-rank",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="keep the last N routed experts of each device's share (all experts without "
+        "--enable-expert-parallel) in pinned host memory and copy a layer's to the device only "
+        "when a token of the step chose one; for MoE models larger than device memory; N must "
+        "be below the experts per device (default: %(default)s, every expert on the device)",
+    )
+    add(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached K/V of full pages whose tokens match an earlier request's prefix "
+        "(--no-prefix-cache computes every prompt in full; default: on)",
+    )
+    add(
+        "--debug-fill-freed-pages",
+        action="store_true",
+        help="DEBUGGING AID: fill every KV page with NaN when it is handed to a new owner, so "
+        "that a read of another request's stale K/V shows as a non-finite output (slower)",
+    )
+
+
+def _add_server_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    add(
+        "--port",
+        "--p",
+        type=_port,
+        default=2000,
+        help="TCP port; 0 picks a free one (default: %(default)s)",
+    )
+    add(
+        "--log",
+        default=None,
+        metavar="PATH",
+        help="append logs to this file instead of stderr (INFO level either way)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=_int_at_least(0),
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, refuse new requests (503, /health 503) and give those in flight this "
+        "many seconds to finish before aborting them; then exit with status 0 (default: "
+        "%(default)s, which fits Kubernetes' default 30 s grace period)",
+    )
+    add(
+        "--mock-engine",
+        action="store_true",
+        help="TESTING AID: serve a deterministic mock engine (no model, no weights) that echoes "
+        "prompts reversed; for API end-to-end tests",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every flag's help states its default."""
+    parser = _OneLineErrorParser(
+        prog=PROG,
+        description="Serve a model through an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/responses, /v1/completions, /v1/models, /health).",
+        allow_abbrev=False,
+    )
+    _add_model_flags(parser.add_argument_group("model"))
+    _add_engine_flags(parser.add_argument_group("engine"))
+    _add_server_flags(parser.add_argument_group("server"))
+    add_service_flags(parser)
+    add_cluster_flags(parser)
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_id=args.model_id or DEFAULT_MODEL_ID,
+        weight_file=args.weight_file,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+        kvcache_mem_mb=args.kvcache_mem_mb,
+        page_size=args.page_size,
+        prefill_chunk_size=args.prefill_chunk_size,
+        decode_steps=args.decode_steps,
+        isq=args.isq,
+        kv_cache_dtype=args.kv_cache_dtype,
+        matmul_dtype=args.matmul_dtype,
+        seed=args.seed,
+        prefix_cache=args.prefix_cache,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        devices=args.devices,
+        expert_parallel=args.expert_parallel,
+        num_experts_offload_per_rank=args.num_experts_offload_per_rank,
+        debug_fill_freed_pages=args.debug_fill_freed_pages,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+    )
+
+
+def _engine_configs(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
+    """One engine config per model to serve: the flags', or each of ``--models-config`` over
+    them. ValueError for a bad value or file, or a flag that names the model beside the file."""
+    base = _config_from_args(args)
+    if args.models_config is None:
+        return (base,)
+    naming = {
+        "--model-id": args.model_id,
+        "--weight-file": args.weight_file,
+        "--served-model-name": args.served_model_name,
+    }
+    given = [flag for flag, value in naming.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"{given[0]} cannot be combined with --models-config (or ${MODELS_CONFIG_ENV}): the "
+            "file names each model and its source"
+        )
+    return load_models_config(args.models_config, base)
+
+
+def _configure_logging(log_path: str | None) -> None:
+    handler: logging.Handler = (
+        logging.FileHandler(log_path, encoding="utf-8") if log_path else logging.StreamHandler()
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
+    if mock:
+        from jax_llm_runtime.runtime.engine.mock import MockEngine
+
+        return MockEngine(
+            model_name=config.served_model_name or config.model_id,
+            max_model_len=config.max_model_len or 2048,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting=config.max_waiting,
+        )
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    return build_engine(config)
+
+
+def _load_models(configs: Sequence[EngineConfig], args: argparse.Namespace) -> list[ServedModel]:
+    """Each model's engine, with its sampling defaults: the flags over its generation_config.
+    A model of ``--models-config`` that cannot be loaded is a ValueError naming it."""
+    from jax_llm_runtime.api.service.served_models import ServedModel
+    from jax_llm_runtime.runtime.loading.sources import ModelSourceError
+
+    flags = sampling_flags(args)
+    models = []
+    for config in configs:
+        try:
+            engine = _build_engine(config, args.mock_engine)
+            defaults = None
+            if not args.mock_engine:
+                defaults = flags.over(generation_config_defaults(config.model_id))
+        except (ModelSourceError, ValueError, OSError) as exc:
+            if args.models_config is None:
+                raise
+            name = config.served_model_name
+            raise ValueError(f"{args.models_config}: model {name!r}: {exc}") from None
+        models.append(ServedModel(engine, defaults))
+    return models
+
+
+def _serve(
+    models: list[ServedModel], host: str, port: int, server: ServerConfig, shutdown_timeout_s: int
+) -> bool:
+    """Run uvicorn until SIGTERM or Ctrl-C; False when the app failed to start (engine error)."""
+    from jax_llm_runtime.api.cli.server import serve
+
+    return serve(models, host, port, server, shutdown_timeout_s, STARTED)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``runtime-serve``; returns the process exit status."""
+    try:
+        load_env_file()  # before the parser: flag defaults read the environment
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs = _engine_configs(args)
+        cluster = cluster_config(args)
+        server_config(args)  # validate the service flags before loading anything
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+    try:
+        _configure_logging(args.log)
+    except OSError as exc:
+        parser.error(f"cannot open log file {args.log}: {exc}")
+    from jax_llm_runtime.runtime.loading.sources import ModelSourceError
+    from jax_llm_runtime.runtime.parallel.multihost import (
+        ClusterError,
+        Leader,
+        finish,
+        follow,
+        initialize,
+    )
+    from jax_llm_runtime.runtime.platform import DeviceUnavailableError, select_platform
+
+    leader: Leader | None = None
+    try:
+        initialize(cluster)  # before anything else uses JAX
+        if args.device is not None:
+            select_platform(args.device)
+        models = _load_models(configs, args)
+        server = server_config(args)
+        if cluster.multi and not cluster.leads:
+            follow(cluster, models[0].engine)  # until rank 0 says stop
+            models[0].engine.shutdown()
+            finish(cluster)
+            return 0
+        if cluster.multi:
+            leader = Leader.accept(cluster)
+            leader.attach(models[0].engine)
+    except (ModelSourceError, DeviceUnavailableError, ClusterError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    from jax_llm_runtime.api.mcp.client import McpStartupError
+    from jax_llm_runtime.api.ui.port_server import UiPortError
+
+    try:
+        started = _serve(models, args.host, args.port, server, args.shutdown_timeout)
+        return 0 if started else 1
+    except (McpStartupError, UiPortError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        return 130
+    finally:
+        if leader is not None:
+            leader.close()
+            finish(cluster)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

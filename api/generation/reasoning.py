@@ -1,0 +1,193 @@
+"""Reasoning models: the text between think markers goes to ``reasoning_content``, not ``content``.
+
+1. ``ReasoningParser`` is a pure, incremental splitter: feed it text pieces as they stream, get
+   back the reasoning and content text that is final so far. A piece that could still be the
+   start of a marker is held back, so a stream never shows part of a marker in either field.
+2. A reply is reasoning when it opens with the start marker (after optional whitespace), or from
+   its first token when the rendered prompt already ends with it (templates that open the think
+   block themselves); the reasoning ends at the end marker and everything after it is content.
+   A marker anywhere else is ordinary text. A reply cut off inside the reasoning (max_tokens)
+   is all reasoning.
+3. ``ReasoningPieces`` applies a parser to a ``Generation``'s pieces for the chat route (filling
+   ``TextPiece.reasoning``) and counts ``usage.completion_tokens_details.reasoning_tokens``: the
+   tokens whose text went to the reasoning (the marker tokens are not counted).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from jax_llm_runtime.api.generation.stream import Generation, TextPiece
+from jax_llm_runtime.api.protocol.bodies import Usage
+from jax_llm_runtime.runtime.engine.interface import TokenizerLike
+from jax_llm_runtime.runtime.engine.request import TokenLogprobs
+
+# Enough prompt tokens to hold a start marker and the whitespace a template puts after it.
+_PROMPT_TAIL_TOKENS = 16
+
+
+class _State(enum.Enum):
+    OPENING = "opening"  # nothing but whitespace seen yet: the start marker may still come
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Text that became final with one ``feed``: the reasoning part and the content part."""
+
+    reasoning: str
+    content: str
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest proper suffix of ``text`` that is a prefix of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """Splits one reply into reasoning and content; see the module docstring.
+
+    ``in_reasoning``: the prompt already opened the think block, so the reply starts inside it.
+    """
+
+    def __init__(self, start: str, end: str, in_reasoning: bool = False) -> None:
+        if not start or not end:
+            raise ValueError("reasoning markers must be non-empty")
+        self.start = start
+        self.end = end
+        self._state = _State.REASONING if in_reasoning else _State.OPENING
+        self._held = ""
+        self._pending_tokens = 0  # tokens of held-back text inside the reasoning
+        self.reasoning_tokens = 0
+
+    def feed(self, text: str, num_tokens: int = 0) -> ReasoningDelta:
+        """Add ``text`` (produced by ``num_tokens`` tokens); return what is final so far."""
+        was_reasoning = self._state is _State.REASONING
+        reasoning, content = self._split(self._held + text)
+        if reasoning:
+            self.reasoning_tokens += self._pending_tokens + num_tokens
+            self._pending_tokens = 0
+        elif was_reasoning and self._state is _State.REASONING:
+            self._pending_tokens += num_tokens
+        else:
+            self._pending_tokens = 0
+        return ReasoningDelta(reasoning, content)
+
+    def flush(self) -> ReasoningDelta:
+        """The reply ended: release held-back text (unfinished reasoning stays reasoning)."""
+        held, self._held = self._held, ""
+        if self._state is _State.REASONING:
+            if held:
+                self.reasoning_tokens += self._pending_tokens
+            self._pending_tokens = 0
+            return ReasoningDelta(held, "")
+        return ReasoningDelta("", held)
+
+    def _split(self, buf: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            if self._state is _State.OPENING:
+                stripped = buf.lstrip()
+                if stripped.startswith(self.start):
+                    self._state, buf = _State.REASONING, stripped[len(self.start) :]
+                    continue
+                if self.start.startswith(stripped):  # whitespace or a partial start marker
+                    self._held = buf
+                    break
+                self._state = _State.CONTENT
+            elif self._state is _State.REASONING:
+                index = buf.find(self.end)
+                if index >= 0:
+                    reasoning.append(buf[:index])
+                    self._state, buf = _State.CONTENT, buf[index + len(self.end) :]
+                    continue
+                keep = _partial_suffix(buf, self.end)
+                reasoning.append(buf[: len(buf) - keep])
+                self._held = buf[len(buf) - keep :]
+                break
+            else:
+                content.append(buf)
+                self._held = ""
+                break
+        return "".join(reasoning), "".join(content)
+
+
+def _with_reasoning_tokens(usage: Usage, reasoning_tokens: int) -> Usage:
+    details = msgspec.structs.replace(
+        usage.completion_tokens_details, reasoning_tokens=reasoning_tokens
+    )
+    return msgspec.structs.replace(usage, completion_tokens_details=details)
+
+
+class ReasoningPieces:
+    """A ``Generation`` whose pieces are split by a ``ReasoningParser`` (or not, when None)."""
+
+    def __init__(self, generation: Generation, parser: ReasoningParser | None) -> None:
+        self._generation = generation
+        self._parser = parser
+
+    async def aclose(self) -> None:
+        """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
+        await self._generation.aclose()
+
+    async def pieces(self) -> AsyncIterator[TextPiece]:
+        """Like ``Generation.pieces``, each piece split into reasoning and content."""
+        parser = self._parser
+        tokens_seen = 0
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        async for piece in self._generation.pieces():
+            if parser is None:
+                yield piece
+                continue
+            num_tokens = piece.usage.completion_tokens - tokens_seen
+            tokens_seen = piece.usage.completion_tokens
+            delta = parser.feed(piece.text, num_tokens)
+            reasoning, content = delta.reasoning, delta.content
+            if piece.finish_reason is not None:
+                rest = parser.flush()
+                reasoning, content = reasoning + rest.reasoning, content + rest.content
+            usage = _with_reasoning_tokens(piece.usage, parser.reasoning_tokens)
+            logprobs += piece.logprobs  # held until a piece carries text
+            if reasoning or content or piece.finish_reason is not None:
+                yield TextPiece(content, piece.finish_reason, usage, reasoning, logprobs)
+                logprobs = ()
+
+    async def collect(self) -> TextPiece:
+        """The whole reply as one piece (reasoning, content, finish reason, final usage)."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        logprobs: list[TokenLogprobs] = []
+        last: TextPiece | None = None
+        async for piece in self.pieces():
+            reasoning.append(piece.reasoning)
+            content.append(piece.text)
+            logprobs += piece.logprobs
+            last = piece
+        if last is None:  # pieces() always ends with a finish piece or raises
+            raise RuntimeError("the engine stream produced no output")
+        joined = "".join(reasoning)
+        return TextPiece("".join(content), last.finish_reason, last.usage, joined, tuple(logprobs))
+
+
+def split_reasoning(
+    tokenizer: TokenizerLike, prompt_ids: list[int], generation: Generation
+) -> ReasoningPieces:
+    """The chat route's view of ``generation``: split by the model's think markers, if it has any.
+
+    The last few prompt tokens tell whether the template already opened the think block.
+    """
+    markers = tokenizer.reasoning_markers
+    if markers is None:
+        return ReasoningPieces(generation, None)
+    start, end = markers
+    tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return ReasoningPieces(generation, ReasoningParser(start, end, tail.rstrip().endswith(start)))

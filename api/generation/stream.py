@@ -1,0 +1,241 @@
+"""One request's engine stream as text: submission, stop strings, collection, and closing.
+
+1. ``start_generation`` submits the prompt and waits for the first delta, so a prompt the engine
+   rejects (``ValueError``) is still a plain 400, before any streamed byte, and a client that leaves
+   while its request is queued is noticed (``cancel_on_disconnect``).
+2. ``Generation.pieces`` turns deltas into ``TextPiece``s with stop strings applied.
+3. ``Generation.collect`` gathers a whole completion for non-streamed responses.
+4. However iteration ends (finish, stop string, error, disconnect), the engine stream is closed,
+   which aborts an unfinished sequence in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request
+
+from jax_llm_runtime.api.generation.logprobs import LogprobAligner
+from jax_llm_runtime.api.generation.timing import RequestTiming
+from jax_llm_runtime.api.protocol.bodies import CompletionTokensDetails, PromptTokensDetails, Usage
+from jax_llm_runtime.api.protocol.errors import APIError, bad_request
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.metrics import Metrics
+from jax_llm_runtime.runtime.engine.interface import EngineClient
+from jax_llm_runtime.runtime.engine.request import (
+    FinishReason,
+    GenerationDelta,
+    SamplingFieldError,
+    SamplingParams,
+    TokenLogprobs,
+)
+from jax_llm_runtime.runtime.text.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """Text produced since the previous piece, and the request's token counts so far."""
+
+    text: str
+    finish_reason: str | None  # "stop" or "length" on the last piece
+    usage: Usage
+    reasoning: str = ""  # a reasoning model's thinking, split off by ``api.generation.reasoning``
+    # The tokens whose text this piece completes, when the request asked (``api.generation.logprobs``).
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # Tool calls read from the text by ``api.tool_calling.chat``: streamed ``ToolCallDelta``s, or, in a
+    # collected reply, OpenAI's ``message.tool_calls`` items.
+    tool_calls: tuple[Any, ...] = ()
+
+
+class EngineStreamError(RuntimeError):
+    """The engine's stream ended without a finish reason (an engine bug)."""
+
+
+def _usage(delta: GenerationDelta, timing: RequestTiming) -> Usage:
+    return Usage(
+        prompt_tokens=delta.num_prompt_tokens,
+        completion_tokens=delta.num_output_tokens,
+        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.num_cached_tokens),
+        prompt_time_costs=timing.prompt_time_costs_ms,
+        completion_time_costs=timing.completion_time_costs_ms,
+    )
+
+
+def _aborted() -> APIError:
+    return APIError(
+        503, "The request was aborted because the engine stopped.", code="engine_aborted"
+    )
+
+
+def _failed() -> APIError:
+    return APIError(500, "The server had an error while processing the request.")
+
+
+async def _close(deltas: AsyncIterator[GenerationDelta]) -> None:
+    aclose = getattr(deltas, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class Generation:
+    """A submitted request, positioned after its first delta. Iterate ``pieces`` once."""
+
+    def __init__(
+        self,
+        deltas: AsyncIterator[GenerationDelta],
+        first: GenerationDelta,
+        stop: tuple[str, ...],
+        timing: RequestTiming | None = None,
+        metrics: Metrics | None = None,
+        model_name: str = "",
+    ) -> None:
+        self._deltas = deltas
+        self._first = first
+        self._stop = stop
+        self._timing = timing or RequestTiming()
+        self._metrics = metrics
+        self._model_name = model_name  # the metrics' label
+
+    def _finished(self, delta: GenerationDelta, finish_reason: str) -> Usage:
+        """The final usage; records the request's latencies and tokens in the metrics."""
+        self._timing.mark_finished()
+        if self._metrics is not None:
+            self._metrics.observe_finished(
+                self._model_name,
+                finish_reason,
+                delta.num_prompt_tokens,
+                delta.num_output_tokens,
+                self._timing.ttft_s,
+                self._timing.decode_s,
+            )
+        return _usage(delta, self._timing)
+
+    async def aclose(self) -> None:
+        """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
+        await _close(self._deltas)
+
+    async def pieces(self) -> AsyncIterator[TextPiece]:
+        """Yield text as it is generated; the last piece carries the finish reason.
+
+        Raises APIError(503) when the engine aborted the request (shutdown), and
+        EngineStreamError when the stream ends without a finish reason.
+        """
+        matcher = StopStringMatcher(self._stop)
+        aligner = LogprobAligner()
+        delta = self._first
+        try:
+            while True:
+                aligner.add(delta.text, delta.logprobs)
+                text = matcher.feed(delta.text)
+                if matcher.stopped:
+                    reason = FinishReason.STOP.value
+                    usage = self._finished(delta, reason)
+                    yield TextPiece(text, reason, usage, logprobs=aligner.cut(len(text)))
+                    return
+                if delta.finish_reason is FinishReason.ABORT:
+                    raise _aborted()
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise _failed()
+                if delta.finish_reason is not None:
+                    reason = delta.finish_reason.value
+                    usage = self._finished(delta, reason)
+                    yield TextPiece(text + matcher.flush(), reason, usage, logprobs=aligner.flush())
+                    return
+                if text:
+                    usage = _usage(delta, self._timing)
+                    yield TextPiece(text, None, usage, logprobs=aligner.release(len(text)))
+                delta = await self._next()
+        finally:
+            await self.aclose()
+
+    async def _next(self) -> GenerationDelta:
+        try:
+            return await anext(self._deltas)
+        except StopAsyncIteration:
+            raise EngineStreamError("the engine stream ended without a finish reason") from None
+
+    async def collect(self) -> TextPiece:
+        """The whole completion as one piece (text, finish reason, final usage)."""
+        parts: list[str] = []
+        logprobs: list[TokenLogprobs] = []
+        last: TextPiece | None = None
+        async for piece in self.pieces():
+            parts.append(piece.text)
+            logprobs += piece.logprobs
+            last = piece
+        if last is None:  # pieces() always ends with a finish piece or raises
+            raise EngineStreamError("the engine stream produced no output")
+        return TextPiece("".join(parts), last.finish_reason, last.usage, logprobs=tuple(logprobs))
+
+
+async def start_generation(
+    engine: EngineClient,
+    request: Request[Any, Any, Any],
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    request_id: str,
+    stop: tuple[str, ...],
+    metrics: Metrics | None = None,
+    n: int = 1,
+) -> list[Generation]:
+    """Submit ``n`` completions of the prompt and wait for the first delta of each.
+
+    Raises APIError(400) when the engine rejects the prompt, ClientDisconnectedError when the
+    client leaves first (the engine requests are aborted), APIError(503) when the engine is not
+    running or shuts down.
+    """
+    if not engine.healthy():
+        raise APIError(503, "The engine is not running.", code="engine_unhealthy")
+    timing = RequestTiming()
+    try:
+        streams = engine.generate_n(prompt_ids, sampling, request_id, n)
+    except SamplingFieldError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    except ValueError as exc:
+        raise bad_request(str(exc), code="invalid_prompt") from None
+
+    async def first_deltas() -> list[GenerationDelta]:
+        return list(await asyncio.gather(*(anext(s) for s in streams)))
+
+    try:
+        firsts = await cancel_on_disconnect(request, first_deltas())
+    except BaseException as exc:
+        for stream in streams:
+            await _close(stream)
+        if isinstance(exc, SamplingFieldError):
+            raise bad_request(str(exc), param=exc.param) from None
+        if isinstance(exc, ValueError):
+            raise bad_request(str(exc), code="invalid_prompt") from None
+        if isinstance(exc, StopAsyncIteration):
+            raise EngineStreamError("the engine stream ended before its first delta") from None
+        raise
+    timing.mark_first_token()
+    return [
+        Generation(stream, first, stop, timing, metrics, engine.model_name)
+        for stream, first in zip(streams, firsts, strict=True)
+    ]
+
+
+async def collect_all(choices: list[Any]) -> list[TextPiece]:
+    """Every choice's whole completion (each has ``collect()``), as one cancellable coroutine."""
+    return list(await asyncio.gather(*(choice.collect() for choice in choices)))
+
+
+def merge_usage(usages: list[Usage]) -> Usage:
+    """One usage for ``n`` completions of one prompt: the prompt counts once."""
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    reasoning = sum(u.completion_tokens_details.reasoning_tokens for u in usages)
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=first.prompt_tokens_details,
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
+        prompt_time_costs=first.prompt_time_costs,
+        completion_time_costs=max(u.completion_time_costs for u in usages),
+    )

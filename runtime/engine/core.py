@@ -1,0 +1,479 @@
+"""The engine: a loop thread that steps the scheduler and the model runner, and request streams.
+
+1. ``generate`` validates the prompt, wraps it in a ``Sequence`` and posts it to the loop thread's
+   inbox; it returns an async iterator bound to the caller's event loop.
+2. The loop thread drains the inbox (new sequences, aborts), then runs ``step``: the scheduler picks
+   the work, the runner pads it to a bucket and calls the jitted step, the scheduler applies the
+   sampled tokens (stops, finishes, frees pages).
+3. Each changed sequence's new token goes to its stream with ``call_soon_threadsafe``; the iterator
+   detokenizes incrementally and yields ``GenerationDelta``s. Leaving the iterator early aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
+from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner, ForwardJob, Pooling
+from jax_llm_runtime.runtime.engine.grammar import GrammarCompiler, GrammarMatcher
+from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
+from jax_llm_runtime.runtime.engine.model_runner import ModelRunner, StepResult
+from jax_llm_runtime.runtime.engine.request import (
+    FinishReason,
+    GenerationDelta,
+    SamplingFieldError,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
+from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from jax_llm_runtime.runtime.engine.sequence import Sequence
+from jax_llm_runtime.runtime.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StepOutput]
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread stopped; no request can be served."""
+
+
+class Engine:
+    """Implements ``runtime.engine.interface.EngineClient`` over a scheduler and a model runner."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        seed: int = 0,
+        embedder: EmbeddingRunner | None = None,
+        max_waiting: int = 0,
+    ) -> None:
+        self.runner = runner
+        self.embedder = embedder
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting  # sequences admitted past max_num_seqs; 0: no bound
+        self._admission = threading.Lock()  # the admission check and its streams, together
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._compiler: threading.Thread | None = None
+        self.compile_done = threading.Event()  # set once every bucket is compiled
+        self._arrivals = 0
+        # Per-request sampling seeds: reproducible for a given --seed and request order.
+        self._seeds = random.Random(seed)
+        self._error: BaseException | None = None
+        self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, compile_all: bool = False, loop: bool = True) -> None:
+        """Compile what the first requests need, start the loop thread, and compile every other
+        bucket on a background thread (before returning when ``compile_all``). Without ``loop``
+        only the compiling happens: a multi-node follower replays the leader's calls instead."""
+        if self._thread is not None or self._compiler is not None:
+            return
+        first, rest = self.runner.startup_shapes()
+        if compile_all:
+            first, rest = first + rest, []
+        seconds = self.runner.compiled.compile_now(first)
+        logger.info(
+            "compiled %d step shapes in %.1fs (%d more compile in the background)",
+            len(first),
+            seconds,
+            len(rest),
+        )
+        background = [(self.runner.compiled, rest)]
+        if self.embedder is not None:
+            if compile_all:
+                seconds = self.embedder.compiled.compile_now(self.embedder.keys())
+                logger.info(
+                    "compiled %d cache-free forward shapes in %.1fs",
+                    len(self.embedder.keys()),
+                    seconds,
+                )
+            else:
+                background.append((self.embedder.compiled, self.embedder.keys()))
+        if loop:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        self._compiler = threading.Thread(
+            target=self._compile_background, args=(background,), name="compile", daemon=True
+        )
+        self._compiler.start()
+
+    def _compile_background(self, work: list[tuple[CompiledShapes, list]]) -> None:
+        t0 = time.perf_counter()
+        count = sum(compiled.compile_each(keys, self._stop) for compiled, keys in work)
+        if not self._stop.is_set():
+            logger.info(
+                "compiled the other %d shapes in the background in %.1fs",
+                count,
+                time.perf_counter() - t0,
+            )
+        self.compile_done.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self._compiler is not None:
+            self._compiler.join(timeout=120)
+            self._compiler = None
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def stats(self) -> EngineStats:
+        """Read from any thread without a lock: in CPython, reading an int attribute or ``len()``
+        of a list/deque is atomic, so each count is a value the loop thread really held (the
+        counts may come from adjacent steps, which is fine for monitoring)."""
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_pages_total=scheduler.allocator.num_pages,
+            num_pages_free=scheduler.allocator.num_free,
+            num_preemptions=scheduler.num_preemptions,
+            num_prefix_cache_queries=scheduler.num_cache_queried_tokens,
+            num_prefix_cache_hits=scheduler.num_cache_hit_tokens,
+            num_pages_cached=scheduler.allocator.num_cached,
+            num_compiling=int(not self.compile_done.is_set()),
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+    def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Validate now (``ValueError`` at call time), then stream the request's deltas."""
+        return self.generate_n(prompt_token_ids, sampling, request_id, 1)[0]
+
+    def generate_n(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+    ) -> list[AsyncIterator[GenerationDelta]]:
+        """``n`` independent samples of one prompt, computed once: the first sequence prefills
+        the prompt, the others start on its pages (shared by reference count).
+
+        Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``. The sequences are
+        queued at once; closing a stream before it finished aborts that sequence only. Raises
+        EngineOverloadedError, queueing nothing, when they would make more than ``max_waiting``
+        sequences wait for a slot.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self._validate(prompt_token_ids, sampling)
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        matchers = [self._matcher(sampling.grammar) for _ in ids]
+        loop = asyncio.get_running_loop()
+        with self._admission:
+            self._admit(n)
+            seqs = [
+                Sequence(
+                    rid,
+                    list(prompt_token_ids),
+                    sampling,
+                    self._seed(sampling, i),
+                    self._next_arrival(),
+                )
+                for i, rid in enumerate(ids)
+            ]
+            seqs[0].forks = seqs[1:]
+            for seq, matcher in zip(seqs, matchers, strict=True):
+                seq.matcher = matcher
+            # Streams exist before the loop thread sees the sequences, so no token can be missed.
+            streams = []
+            for seq in seqs:
+                self._streams[seq.request_id] = _Stream(loop, asyncio.Queue())
+                streams.append(self._deltas(seq))
+        self._post("add", seqs[0])
+        return streams
+
+    def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
+        """A new matcher for one sequence of a constrained request (GrammarError, a ValueError,
+        when the grammar does not compile)."""
+        if grammar is None:
+            return None
+        if self._grammars is None:
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise ValueError(f"{self.model_name}'s tokenizer cannot constrain output")
+            self._grammars = GrammarCompiler(
+                hf, self.runner.vocab_size, self.scheduler.eos_token_ids
+            )
+        return self._grammars.matcher(grammar)
+
+    def _seed(self, sampling: SamplingParams, index: int) -> int:
+        """The request's seed (sample ``index`` of n > 1 adds its index), else a random one."""
+        if sampling.seed is None:
+            return self._seeds.getrandbits(32)
+        return (sampling.seed + index) % 2**32
+
+    def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad_id = next(t for t in prompt if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad_id} is outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise SamplingFieldError(
+                "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        requested = len(prompt) + sampling.max_tokens
+        if requested > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {requested} tokens ({len(prompt)} in the messages, "
+                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        # Beyond the whole KV cache a sequence would wait for pages forever.
+        page_size, num_pages = self.scheduler.page_size, self.scheduler.allocator.num_pages
+        if -(-requested // page_size) > num_pages:
+            raise ValueError(
+                f"The KV cache holds {num_pages * page_size} tokens in all; you requested "
+                f"{requested} tokens ({len(prompt)} in the messages, {sampling.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+
+    def _next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    async def embed(self, inputs: list[list[int]], pooling: Pooling) -> list[np.ndarray]:
+        """Pooled, unnormalised float32 embeddings, computed on the loop thread between steps."""
+        if self.embedder is None:
+            raise ValueError(f"{self.model_name} cannot produce embeddings")
+        for ids in inputs:
+            if not 1 <= len(ids) <= self.max_model_len:
+                raise ValueError(
+                    f"an input has {len(ids)} tokens; embeddings take 1 to "
+                    f"{self.max_model_len} tokens"
+                )
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        inputs = [list(ids) for ids in inputs]
+        job = ForwardJob(lambda runner: [runner.embed(ids, pooling) for ids in inputs])
+        self._post("forward", job)
+        return await job.future
+
+    async def prompt_logprobs(
+        self, prompt_token_ids: list[int], top: int
+    ) -> list[TokenLogprobs | None]:
+        """Each prompt token's logprob given the ones before it (None for the first), with the
+        ``top`` most likely alternatives; computed on the loop thread between steps."""
+        if self.embedder is None:
+            raise ValueError(f"{self.model_name} cannot score prompts")
+        if not 1 <= len(prompt_token_ids) <= self.max_model_len:
+            raise ValueError(f"the prompt must have 1 to {self.max_model_len} tokens")
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+        ids = list(prompt_token_ids)
+        job = ForwardJob(lambda runner: runner.prompt_logprobs(ids, top))
+        self._post("forward", job)
+        return await job.future
+
+    def _deltas(self, seq: Sequence) -> _RequestStream:
+        return _RequestStream(self, seq, self._streams[seq.request_id].queue)
+
+    def _post(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.scheduler.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self.step()
+        except BaseException as e:  # the loop must report any death to every waiting client
+            logger.exception("engine loop died")
+            self._error = e
+        finally:
+            self._drain_inbox()
+            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+                self.scheduler.abort(seq.request_id)
+            for request_id in list(self._streams):
+                self._send(request_id, StepOutput([], FinishReason.ABORT))
+
+    def step(self) -> None:
+        """One engine step: schedule, run the jitted step, apply and publish the results."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        fresh = self.scheduler.allocator.take_fresh()  # empty unless --debug-fill-freed-pages
+        if fresh:
+            self.runner.fill_pages(fresh)
+        try:
+            result = self.runner.run(batch)
+        except Exception as exc:
+            self._isolate_failure(batch, exc)
+        else:
+            self._publish(batch, result)
+        self.num_steps += 1
+
+    def _publish(self, batch: ScheduledBatch, result: StepResult) -> None:
+        before = {id(item.seq): len(item.seq.output_ids) for item in batch.items}
+        for seq in self.scheduler.update(batch, result.token_ids):
+            logprobs = result.logprobs_for(seq.request_id)
+            new_tokens = seq.output_ids[before[id(seq)] :]
+            self._send(seq.request_id, StepOutput(new_tokens, seq.finish_reason, logprobs))
+
+    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step raised: fail the requests whose work raises on its own, serve the others.
+
+        Each sequence of a batch runs alone once; the ones that still raise end with
+        ``FinishReason.ERROR``. When the step had consumed the donated KV cache no sequence can
+        go on: the loop dies (re-raising) and every client gets an error. (No count of failed
+        steps ends the loop: a client could then stop the server by repeating a bad request.)
+        """
+        if self.runner.cache_lost():
+            raise exc
+        logger.exception("a step of %d sequences failed", len(batch.items))
+        if len(batch.items) == 1:
+            self._fail(batch.items[0].seq)
+            return
+        for item in batch.items:
+            alone = ScheduledBatch(batch.kind, (item,))
+            try:
+                result = self.runner.run(alone)
+            except Exception:
+                if self.runner.cache_lost():
+                    raise exc from None
+                logger.exception("request %s failed", item.seq.request_id)
+                self._fail(item.seq)
+            else:
+                self._publish(alone, result)
+
+    def _fail(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq.request_id, FinishReason.ERROR)
+        self._send(seq.request_id, StepOutput([], FinishReason.ERROR))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(payload)
+            elif kind == "forward":
+                payload.run(self.embedder)
+            else:
+                self.scheduler.abort(payload)
+                self._streams.pop(payload, None)
+
+    def _send(self, request_id: str, out: StepOutput) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if out.finish_reason is not None:
+            del self._streams[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    # -- admission -----------------------------------------------------------------------------
+    def num_unfinished(self) -> int:
+        """Sequences queued or running that have not finished: the engine's load. Any thread."""
+        return len(self._streams)
+
+    def num_waiting(self) -> int:
+        """Unfinished sequences beyond the ``max_num_seqs`` that can run at once: the ones that
+        wait for a slot, posted or queued. Any thread (``len`` of a dict is atomic)."""
+        return max(0, len(self._streams) - self.scheduler.max_num_seqs)
+
+    def _admit(self, n: int) -> None:
+        """Refuse ``n`` more sequences when no free queue could ever hold them (a ValueError) or
+        this one cannot now (EngineOverloadedError). Call holding ``_admission``."""
+        if not self.max_waiting:
+            return
+        room = self.scheduler.max_num_seqs + self.max_waiting
+        if n > room:
+            raise SamplingFieldError(
+                "n",
+                f"n={n} sequences can never be admitted: this server holds {room} at most "
+                f"({self.scheduler.max_num_seqs} running, {self.max_waiting} waiting)",
+            )
+        if len(self._streams) + n > room:
+            raise EngineOverloadedError(self.num_waiting(), self.max_waiting)
+
+
+class _RequestStream:
+    """One sequence's deltas as an async iterator; detokenizes incrementally.
+
+    ``aclose()`` (or leaving an ``async for`` early, through the caller's cleanup) aborts the
+    sequence if it has not finished, also when the stream was never iterated.
+    """
+
+    def __init__(self, engine: Engine, seq: Sequence, queue: asyncio.Queue[StepOutput]) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._queue = queue
+        self._decoder = engine.tokenizer.incremental_decoder(seq.sampling.skip_special_tokens)
+        self._num_output = 0
+        self._finished = False
+
+    def __aiter__(self) -> _RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._num_output += len(out.token_ids)
+        self._finished = out.finish_reason is not None
+        # The EOS or stop token that ended the sequence counts as output but is not text (as in
+        # vLLM), also with skip_special_tokens=False.
+        shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids
+        text = self._decoder.push(shown)
+        if self._finished:
+            text += self._decoder.flush()  # a trailing incomplete character, if any
+        return GenerationDelta(
+            token_ids=tuple(out.token_ids),
+            text=text,
+            num_prompt_tokens=len(self._seq.prompt_ids),
+            num_output_tokens=self._num_output,
+            num_cached_tokens=self._seq.num_cached_tokens,
+            finish_reason=out.finish_reason,
+            logprobs=tuple(out.logprobs),
+        )
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._post("abort", self._seq.request_id)

@@ -1,0 +1,342 @@
+"""Turns a scheduled batch into one call of the jitted step, padded to a compiled bucket.
+
+The step (model forward + on-device sampling) is one ``jax.jit`` function; the KV cache is donated
+to it and comes back updated in place. Every bucket shape is compiled ahead of time: short-context
+buckets in ``warmup``, the rest on a background thread right after (see ``CompiledShapes``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.registry import ModelSpec
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
+from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
+from jax_llm_runtime.runtime.engine.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
+from jax_llm_runtime.runtime.engine.sampler import (
+    BIAS_SLOTS,
+    MAX_LOGIT_BIAS,
+    SamplerOutput,
+    SamplingMetadata,
+    bitmask_width,
+    empty_sampling_metadata,
+    sample,
+)
+from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, ScheduledSeq, StepKind
+from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, replicated_sharding
+
+# The bias slots left for EOS ids, suppressed until min_tokens.
+MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
+
+
+@dataclass
+class StepResult:
+    """The tokens sampled for each scheduled sequence, in order (one per step run), and the
+    requested logprobs (single-step calls only)."""
+
+    token_ids: list[list[int]]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by request id
+
+    def logprobs_for(self, request_id: str) -> list[TokenLogprobs]:
+        """The request's logprobs for this step's token (empty when it did not ask)."""
+        entry = self.logprobs.get(request_id)
+        return [] if entry is None else [entry]
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache on device and runs steps."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: Any,
+        weights: Any,
+        cache: KVCache,
+        plan: BucketPlan,
+        eos_token_ids: Iterable[int] = (),
+        decode_steps: int = 1,
+        cache_sharding: Any = None,
+    ) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        if len(self.eos_token_ids) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {eos_token_ids}")
+        self.vocab_size = int(config.vocab_size)
+        self.config = config
+        self.weights = weights
+        self.cache = cache
+        self.plan = plan
+        self.decode_steps = decode_steps
+        # With a device mesh the updated cache keeps the input's sharding (runtime.parallel.sharding).
+        forward = functools.partial(_constrained, spec.forward, cache_sharding)
+        # The sampled tokens (and logprobs) are replicated, so every process can read them; so
+        # is every host input of a step, compiled and passed with this one sharding.
+        replicated = replicated_sharding(cache_sharding)
+        self.input_sharding = replicated
+        self._step = jax.jit(
+            functools.partial(_step, forward, config, replicated), donate_argnums=(1,)
+        )
+        self._multi_step = jax.jit(
+            functools.partial(_multi_step, forward, config, replicated),
+            static_argnums=(0,),
+            donate_argnums=(2,),
+        )
+        self.compiled = CompiledShapes("step shapes", self._lower)
+        self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
+        # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
+        # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
+        self._all_allowed = {
+            n: jax.device_put(
+                np.full((n, bitmask_width(self.vocab_size)), -1, np.int32), self.input_sharding
+            )
+            for n in {1, *plan.decode_seqs}
+        }
+        # Multi-node (runtime.parallel.multihost): sees each device call before it runs, on process 0.
+        self.mirror: Callable[..., None] | None = None
+
+    def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
+        steps) keys: the single-step buckets of the shortest contexts first, since every new
+        request starts there; then the rest from short to long, multi-step decode last.
+
+        Shapes are lowered from abstract values, so nothing runs: a bucket of 8192 prompt tokens
+        costs its compile time only.
+        """
+        shapes = [(*s, 1) for s in self.plan.shapes()]
+        if self.decode_steps > 1:
+            shapes += [(*s, self.decode_steps) for s in self.plan.shapes() if s[1] == 1]
+        first = [s for s in shapes if s[2] == self.plan.pages[0] and s[3] == 1]
+        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[1], s[0]))
+        return first, rest
+
+    def _lower(self, key: tuple[int, int, int, int]) -> Any:
+        batch, meta = host_inputs(_empty_inputs(*key[:3], self.vocab_size), self.input_sharding)
+        weights, cache = placed(self.weights), placed(self.cache)
+        if key[3] == 1:
+            return self._step.lower(weights, cache, batch, meta)
+        return self._multi_step.lower(key[3], weights, cache, batch, meta)
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Run one call; return the tokens sampled for every scheduled sequence, in order.
+
+        A multi-step batch runs ``batch.num_steps`` steps in one call once that bucket is
+        compiled, else one step (the scheduler takes however many tokens come back). Logprobs
+        are copied to the host only when a sequence that samples in this step asked.
+        """
+        step_batch, meta = self._prepare(batch)
+        shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
+        steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
+        if steps > 1:
+            tokens, _ = self.execute(step_batch, meta, steps)
+            return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
+        _, out = self.execute(step_batch, meta, 1)
+        result = StepResult([[t] for t in np.asarray(out.token_ids)[: len(batch.items)].tolist()])
+        if np.any(meta.wants_logprobs):
+            result.logprobs = _host_logprobs(batch.items, out)
+        return result
+
+    def execute(
+        self, step_batch: StepBatch, meta: SamplingMetadata, steps: int
+    ) -> tuple[jax.Array, SamplerOutput | None]:
+        """The device part of ``run``: ``steps`` steps of the compiled bucket on prepared inputs;
+        (tokens [num_seqs, steps] of a multi-step call, None) or (None, the sampler's output).
+        ``mirror`` (multi-node) sees the call first; a ``None`` grammar mask means all-ones."""
+        if self.mirror is not None:
+            shared = meta if isinstance(meta.allowed, np.ndarray) else meta.replace(allowed=None)
+            self.mirror("execute", step_batch, shared, steps)
+        if meta.allowed is None:
+            meta = meta.replace(allowed=self._all_allowed[step_batch.tokens.shape[0]])
+        key = (*step_batch.tokens.shape, step_batch.page_indices.shape[1], steps)
+        if steps > 1:
+            tokens, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
+            return tokens, None
+        out, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
+        return None, out
+
+    def cache_lost(self) -> bool:
+        """True when a failed step had already consumed the donated KV cache: no sequence can
+        go on, so the engine must stop."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    def fill_pages(self, pages: list[int]) -> None:
+        """Set every K/V element (and row scale) of ``pages`` to NaN: the debug mode that shows a
+        read of stale K/V as a non-finite output. The page list is padded to a power of two by
+        repeating its first page, so few shapes compile."""
+        ids = np.full(1 << (len(pages) - 1).bit_length(), pages[0], np.int32)
+        ids[: len(pages)] = pages
+        self.fill_page_ids(ids)
+
+    def fill_page_ids(self, ids: np.ndarray) -> None:
+        """The device part of ``fill_pages`` (``mirror`` sees it first)."""
+        if self.mirror is not None:
+            self.mirror("fill_page_ids", ids)
+        self.cache = self._fill(self.cache, ids)
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
+        items = batch.items
+        ps = self.plan.page_size
+        if batch.kind is StepKind.DECODE:
+            num_seqs, q_len = pick(self.plan.decode_seqs, len(items)), 1
+        else:
+            num_seqs, q_len = 1, pick(self.plan.prefill_lens, items[0].length)
+        # A multi-step call writes num_steps - 1 positions past each sequence's current end.
+        reach = batch.num_steps - 1
+        pages = pick(self.plan.pages, max(-(-(i.start + i.length + reach) // ps) for i in items))
+        tokens = np.zeros((num_seqs, q_len), np.int32)
+        positions = np.zeros((num_seqs, q_len), np.int32)
+        q_lens = np.zeros(num_seqs, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        page_indices = np.zeros((num_seqs, pages), np.int32)
+        for row, item in enumerate(items):
+            seq, end = item.seq, item.start + item.length
+            tokens[row, : item.length] = seq.token_slice(item.start, end)
+            positions[row, : item.length] = np.arange(item.start, end)
+            q_lens[row], kv_lens[row] = item.length, end
+            page_indices[row, : len(seq.pages)] = seq.pages
+        # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
+        step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
+        meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
+        return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _allowed(self, items: tuple[ScheduledSeq, ...], num_seqs: int) -> Any:
+        """The step's grammar bitmask: the constrained rows' masks on the host, or, when no
+        sequence of the batch samples under a grammar, an all-ones mask kept on the device, so
+        free batches transfer none."""
+        constrained = [
+            (row, item.seq.matcher)
+            for row, item in enumerate(items)
+            if item.seq.matcher is not None and item.reaches_end
+        ]
+        if not constrained:
+            return self._all_allowed[num_seqs]
+        mask = np.full((num_seqs, bitmask_width(self.vocab_size)), -1, np.int32)
+        for row, matcher in constrained:
+            matcher.fill_mask(mask, row)
+        return mask
+
+
+def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a.at[:, pages].set(jnp.nan), cache)
+
+
+def _constrained(
+    forward: Any, sharding: Any, config: Any, weights: Any, cache: KVCache, batch: StepBatch
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward(config, weights, cache, batch)
+    if sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, sharding)
+    return logits, cache
+
+
+def _step(
+    forward: Any,
+    config: Any,
+    replicated: Any,
+    weights: Any,
+    cache: KVCache,
+    batch: StepBatch,
+    meta: SamplingMetadata,
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward(config, weights, cache, batch)
+    return _replicate(sample(logits, meta), replicated), cache
+
+
+def _replicate(tree: Any, sharding: Any) -> Any:
+    return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
+
+
+def _multi_step(
+    forward: Any,
+    config: Any,
+    replicated: Any,
+    num_steps: int,
+    weights: Any,
+    cache: KVCache,
+    batch: StepBatch,
+    meta: SamplingMetadata,
+) -> tuple[jax.Array, KVCache]:  # tokens [num_seqs, num_steps] int32
+    """``num_steps`` decode steps in one call, each feeding its sampled tokens to the next."""
+
+    def one(carry: tuple[KVCache, StepBatch, SamplingMetadata], _: None):
+        cache, batch, meta = carry
+        logits, cache = forward(config, weights, cache, batch)
+        tokens = sample(logits, meta).token_ids.astype(jnp.int32)  # [num_seqs]
+        active = batch.q_lens > 0  # padding rows stay empty and write nothing
+        batch = batch.replace(
+            tokens=tokens[:, None],
+            positions=batch.positions + 1,
+            kv_lens=jnp.where(active, batch.kv_lens + 1, 0),
+        )
+        meta = meta.replace(output_index=meta.output_index + 1)
+        return (cache, batch, meta), tokens
+
+    (cache, _, _), tokens = jax.lax.scan(one, (cache, batch, meta), None, length=num_steps)
+    return _replicate(tokens.T, replicated), cache
+
+
+def _sampling_metadata(
+    items: tuple[ScheduledSeq, ...], num_seqs: int, eos_token_ids: tuple[int, ...]
+) -> SamplingMetadata:
+    """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias."""
+    meta = empty_sampling_metadata(num_seqs)
+    for row, item in enumerate(items):
+        seq, sp = item.seq, item.seq.sampling
+        meta.temperature[row], meta.top_k[row], meta.top_p[row] = sp.temperature, sp.top_k, sp.top_p
+        meta.seeds[row], meta.output_index[row] = seq.seed, len(seq.output_ids)
+        meta.min_p[row] = sp.min_p
+        meta.presence_penalty[row] = sp.presence_penalty
+        meta.frequency_penalty[row] = sp.frequency_penalty
+        meta.repetition_penalty[row] = sp.repetition_penalty
+        meta.wants_logprobs[row] = sp.logprobs is not None and item.reaches_end
+        if sp.uses_penalties and item.reaches_end:
+            n = min(sp.repeat_last_n if sp.repeat_last_n > 0 else PENALTY_WINDOW, seq.num_tokens)
+            meta.history[row, PENALTY_WINDOW - n :] = seq.token_slice(
+                seq.num_tokens - n, seq.num_tokens
+            )
+            meta.num_output_in_history[row] = min(n, len(seq.output_ids))
+        bias = [(t, -np.inf if b <= -100.0 else b) for t, b in sp.logit_bias]
+        if len(seq.output_ids) < sp.min_tokens:
+            banned = sp.banned_until_min_tokens(eos_token_ids)
+            bias += [(t, -np.inf) for t in banned]
+        if bias:
+            ids, values = zip(*bias, strict=True)
+            meta.bias_ids[row, : len(ids)], meta.bias_values[row, : len(ids)] = ids, values
+    return meta
+
+
+def _host_logprobs(items: tuple[ScheduledSeq, ...], out: SamplerOutput) -> dict[str, TokenLogprobs]:
+    """Copy the logprobs of the rows that asked for them to the host."""
+    tokens, chosen = np.asarray(out.token_ids), np.asarray(out.logprobs)
+    top_ids, top_values = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    result = {}
+    for row, item in enumerate(items):
+        k = item.seq.sampling.logprobs
+        if k is None or not item.reaches_end:
+            continue
+        top = tuple(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist(), strict=True))
+        entry = TokenLogprobs(int(tokens[row]), float(chosen[row]), top)
+        result[item.seq.request_id] = entry
+    return result
+
+
+def _empty_inputs(
+    num_seqs: int, q_len: int, pages: int, vocab_size: int
+) -> tuple[StepBatch, SamplingMetadata]:
+    """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
+    zeros = functools.partial(np.zeros, dtype=np.int32)
+    batch = StepBatch(
+        zeros((num_seqs, q_len)),
+        zeros((num_seqs, q_len)),
+        zeros(num_seqs),
+        zeros(num_seqs),
+        zeros((num_seqs, pages)),
+    )
+    return batch, empty_sampling_metadata(num_seqs, vocab_size)

@@ -1,0 +1,238 @@
+"""Compose an engine from an ``EngineConfig``: resolve the model, load it, size the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
+from jax_llm_runtime.pallas_kernels.native import calibration
+from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
+from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.buckets import BucketPlan
+from jax_llm_runtime.runtime.engine.core import Engine
+from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner
+from jax_llm_runtime.runtime.engine.model_runner import ModelRunner
+from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
+from jax_llm_runtime.runtime.engine.scheduler import Scheduler
+from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
+from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
+from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
+from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
+    log_expert_offload,
+    with_expert_offload,
+)
+from jax_llm_runtime.runtime.parallel.sharding import (
+    build_mesh,
+    cache_sharding,
+    check_divisible,
+    shard_weights,
+)
+from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(cache_dir: Path) -> None:
+    """Persist compiled executables so a second start skips XLA compilation."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        # XLA:CPU has no fast bf16 matmul path; accelerators prefer bf16.
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
+    """The cache storage dtype of ``--kv-cache-dtype``: the model dtype ("auto"), a float dtype
+    named, or e4m3 with scales ("fp8*"). (A float32 model's "auto" stays float32 on CPU: a
+    16-bit cache leaves perplexity unchanged, but its rounding turns the float path's ~1e-7
+    batch-to-batch differences into ~5e-4 in logprobs; BENCHMARKS.md.)"""
+    if name == "auto":
+        return jnp.dtype(model_dtype)
+    return FP8 if name.startswith("fp8") else jnp.dtype(name)
+
+
+def load_checkpoint(files: ModelFiles) -> Checkpoint:
+    if files.kind == "gguf":
+        return load_gguf_checkpoint(files.path)
+    return load_hf_checkpoint(files.path)
+
+
+def load_tokenizer(files: ModelFiles) -> Tokenizer:
+    if files.kind == "gguf":
+        return Tokenizer.from_gguf(files.path)
+    return Tokenizer.from_pretrained_dir(files.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model as ``runtime-serve`` loads it: files, architecture, weights and tokenizer."""
+
+    files: ModelFiles
+    spec: ModelSpec
+    config: Any  # the architecture's model config, with ``--isq`` applied
+    weights: Any
+    tokenizer: Tokenizer
+    dtype: jnp.dtype  # the run dtype ("auto" resolved)
+
+
+def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
+    """Model and tokenizer from ``config.model_id`` with its ``dtype`` and ``isq``. A checkpoint's
+    quantized tensors (GGUF blocks, GPTQ, AWQ) stay packed unless ``packed`` is False, which
+    loads them as ``dtype`` floats."""
+    enable_compilation_cache(cache_root() / "xla")
+    files = resolve_model_source(config.model_id, config.weight_file)
+    checkpoint = load_checkpoint(files)
+    # The architecture is checked before the (slow) tokenizer and weights are read.
+    spec, model_config = model_config_from_hf(checkpoint.config)
+    if config.isq is not None:
+        model_config = dataclasses.replace(model_config, quantization=config.isq)
+    if config.matmul_dtype != "auto":
+        model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
+    model_config = with_expert_offload(model_config, config)
+    model_config = with_native_kernels(model_config, config.tensor_parallel_size)
+    tokenizer = load_tokenizer(files)
+    dtype = resolve_dtype(config.dtype)
+    tensors = checkpoint.tensors(packed=packed)
+    weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
+    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype)
+
+
+def build_engine(config: EngineConfig) -> Engine | DataParallelEngine:
+    """Everything from the model id to a ready-to-start engine (``start()`` compiles): one
+    engine, or with ``data_parallel_size`` above 1 one per replica behind a
+    ``DataParallelEngine`` (the checkpoint is read once)."""
+    model = load_model(config)
+    if config.data_parallel_size == 1:
+        return _build_replica(config, model, config.devices)
+    if jax.process_count() > 1:
+        raise ValueError("--data-parallel-size with --num-nodes is not supported yet")
+    size = config.tensor_parallel_size
+    devices = list(config.devices or range(size * config.data_parallel_size))
+    groups = [devices[i : i + size] for i in range(0, len(devices), size)]
+    replicas = [_build_replica(config, model, group) for group in groups]
+    logger.info("%d data-parallel replicas on devices %s", len(replicas), groups)
+    return DataParallelEngine(replicas)
+
+
+def _build_replica(
+    config: EngineConfig, model: LoadedModel, devices: Sequence[int] | None
+) -> Engine:
+    """One engine on ``devices`` (its tensor-parallel mesh) with its own KV cache."""
+    files, spec, model_config = model.files, model.spec, model.config
+    weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
+    mesh = build_mesh(devices, config.tensor_parallel_size)
+    if mesh is not None:
+        attention = model_config.attention
+        check_divisible(
+            attention.num_heads,
+            model_config.num_kv_heads,
+            mesh.size,
+            is_mla=not hasattr(attention, "num_kv_heads"),
+        )
+        weights = shard_weights(weights, mesh, config.expert_parallel)
+        logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
+    log_expert_offload(model_config, weights)
+
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
+    num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
+    capacity = num_pages * config.page_size
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
+    if max_model_len < 16:
+        raise ValueError(
+            f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
+        )
+    logger.info(
+        "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",
+        num_pages,
+        config.page_size,
+        kv_dtype.name,
+        num_pages * page_bytes / 2**20,
+        max_model_len,
+    )
+    k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
+    cache_shardings = None
+    if mesh is not None:
+        cache_shardings = cache_sharding(_abstract_cache(k_shape, kv_dtype, v_shape), mesh)
+    plan = BucketPlan.build(
+        config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
+    )
+    decode_steps = config.decode_steps or (1 if jax.default_backend() == "cpu" else 8)
+    runner = ModelRunner(
+        spec,
+        model_config,
+        weights,
+        _zero_cache(k_shape, kv_dtype, v_shape, cache_shardings),
+        plan,
+        eos_token_ids=tokenizer.eos_token_ids,
+        decode_steps=decode_steps,
+        cache_sharding=cache_shardings,
+    )
+    allocator = PageAllocator(num_pages, config.page_size)
+    allocator.track_fresh = config.debug_fill_freed_pages
+    scheduler = Scheduler(
+        allocator,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_chunk_size=config.prefill_chunk_size,
+        eos_token_ids=tokenizer.eos_token_ids,
+        decode_steps=decode_steps,
+        prefill_lens=plan.prefill_lens,
+        prefix_cache=config.prefix_cache,
+    )
+    name = config.served_model_name or files.name
+    embedder = None
+    if spec.hidden_states is not None:
+        embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
+    return Engine(
+        runner,
+        scheduler,
+        tokenizer,
+        name,
+        max_model_len,
+        seed=config.seed,
+        embedder=embedder,
+        max_waiting=config.max_waiting,
+    )
+
+
+def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
+    """``model_config`` with ``native_kernels`` set: on where the step runs on XLA:CPU without a
+    device mesh (one device per replica). A native kernel is a custom call, which XLA's SPMD
+    partitioner does not split, so a tensor-parallel step keeps the XLA formulations. Decided
+    before the weights load: where native kernels run, a quantized LM head stays packed.
+
+    Each kernel's call classes are then timed against XLA on this CPU (once per machine and
+    build: ``pallas_kernels.native.calibration``), and each runs the faster; the log names
+    the instruction set built for and each choice."""
+    allowed = jax.default_backend() == "cpu" and tensor_parallel_size == 1
+    if allowed and not calibration.calibrate():
+        logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
+    return dataclasses.replace(model_config, native_kernels=allowed)
+
+
+def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:
+    return jax.eval_shape(lambda: KVCache.zeros(k_shape, dtype, v_shape))
+
+
+def _zero_cache(
+    k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...], shardings: Any
+) -> KVCache:
+    """A zeroed cache; sharded, each device allocates only its own KV heads."""
+    if shardings is None:
+        return KVCache.zeros(k_shape, dtype, v_shape)
+    return jax.jit(lambda: KVCache.zeros(k_shape, dtype, v_shape), out_shardings=shardings)()

@@ -1,0 +1,150 @@
+"""GPTQ and AWQ checkpoints in HF folders: ``quantization_config`` and the tensors of each
+quantized linear.
+
+A quantized linear ``<prefix>`` stores ``<prefix>.qweight``, ``.qzeros``, ``.scales`` (and GPTQ's
+``.g_idx``) instead of ``<prefix>.weight``; ``runtime.loading.hf_loader`` yields them as one item,
+``(<prefix>.weight, HostPacked)``, in the ``[in, out]`` orientation (the layout of
+``pallas_kernels.dequant_matmul.gptq``). Supported: 4 bits, any group size that divides the
+input features (or -1); GPTQ in checkpoint formats "gptq" (v1) and "gptq_v2", symmetric or not,
+with ``g_idx`` in input order (``desc_act=False``, or act-order with static groups); AWQ with
+GEMM packing and zero points. ``desc_act`` itself is not checked: ``g_idx`` is what tells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import (
+    BITS,
+    GPTQ_FORMATS,
+    from_awq,
+    from_gptq,
+)
+
+METHODS = ("gptq", "awq")
+PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+REQUIRED = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What the loader needs of a checkpoint's ``quantization_config``."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int  # -1: one group over all input features
+    sym: bool = True  # GPTQ: every zero is 2 ** (bits - 1)
+    checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros stored minus one) or "gptq_v2"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"quant_method {self.method!r} is not supported ({', '.join(METHODS)} are)"
+            )
+        if self.bits != BITS:
+            raise ValueError(
+                f"{self.method} with bits={self.bits} is not supported (only {BITS} is)"
+            )
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"group_size must be positive or -1, got {self.group_size}")
+        if self.method == "gptq" and self.checkpoint_format not in GPTQ_FORMATS:
+            raise ValueError(
+                f"GPTQ checkpoint_format {self.checkpoint_format!r} is not supported "
+                f"({', '.join(GPTQ_FORMATS)} are)"
+            )
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Tensor-name suffixes of one quantized linear."""
+        return PARTS[self.method]
+
+    def host_packed(self, tensors: Mapping[str, np.ndarray]) -> HostPacked:
+        """One linear's tensors (keyed by part) as ``HostPacked`` ``[in, out]``."""
+        if self.method == "awq":
+            return from_awq(
+                tensors["qweight"],
+                tensors["qzeros"],
+                tensors["scales"],
+                bits=self.bits,
+                group_size=self.group_size,
+            )
+        return from_gptq(
+            tensors["qweight"],
+            tensors["qzeros"],
+            tensors["scales"],
+            tensors.get("g_idx"),
+            bits=self.bits,
+            group_size=self.group_size,
+            sym=self.sym,
+            checkpoint_format=self.checkpoint_format,
+        )
+
+
+def quant_config_from_hf(config: Mapping[str, Any]) -> QuantConfig | None:
+    """The ``quantization_config`` of an HF ``config.json`` (None if it has none); ValueError for
+    one this runtime cannot load, naming the setting."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise ValueError("quantization_config must be a JSON object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "gptq":
+        pack_dtype = qc.get("pack_dtype", "int32")
+        if pack_dtype != "int32":
+            raise ValueError(f"GPTQ pack_dtype {pack_dtype!r} is not supported (only int32 is)")
+        # transformers writes both names; the legacy one wins, as there.
+        fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+        return QuantConfig(
+            method="gptq",
+            bits=int(qc.get("bits", 0)),
+            group_size=int(qc.get("group_size", 128)),
+            sym=bool(qc.get("sym", True)),
+            checkpoint_format=str(fmt).lower(),
+        )
+    if method == "awq":
+        version = str(qc.get("version") or qc.get("format") or "gemm").lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ version {version!r} is not supported (only GEMM packing is)")
+        if not qc.get("zero_point", True):
+            raise ValueError("AWQ with zero_point=False is not supported")
+        return QuantConfig(
+            method="awq",
+            bits=int(qc.get("bits", qc.get("w_bit", 0))),
+            group_size=int(qc.get("group_size", qc.get("q_group_size", 128))),
+        )
+    raise ValueError(f"quant_method {method!r} is not supported ({', '.join(METHODS)} are)")
+
+
+def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[str, tuple[str, ...]]:
+    """``prefix -> parts present`` for every quantized linear among ``keys``.
+
+    ValueError for a linear that lacks a required part, a part without its ``qweight``, and
+    quantized tensors in a checkpoint whose config declares no quantization.
+    """
+    keys = set(keys)
+    if quant is None:
+        stray = sorted(k for k in keys if k.endswith(".qweight"))
+        if stray:
+            raise ValueError(
+                f"{stray[0]} is a GPTQ/AWQ tensor, but config.json has no quantization_config"
+            )
+        return {}
+    linears: dict[str, tuple[str, ...]] = {}
+    for key in sorted(keys):
+        prefix, _, part = key.rpartition(".")
+        if part not in quant.parts:
+            continue
+        if f"{prefix}.qweight" not in keys:
+            raise ValueError(f"checkpoint has {key} but no {prefix}.qweight")
+        linears[prefix] = (*linears.get(prefix, ()), part)
+    for prefix, parts in linears.items():
+        missing = [p for p in REQUIRED if p not in parts]
+        if missing:
+            raise ValueError(f"checkpoint has {prefix}.qweight but no {prefix}.{missing[0]}")
+    return linears
