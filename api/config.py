@@ -13,6 +13,7 @@ from typing import Any
 
 from api.mcp_config import McpServerConfig
 from api.ui.settings import UiConfig
+from runtime.request import PENALTY_WINDOW
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
@@ -38,7 +39,8 @@ class SamplingDefaults:
     """Values used when a request omits the field; ``None`` leaves OpenAI's default in place.
 
     ``max_tokens`` is the default completion budget (candle-vllm's ``--max-gen-tokens``), still
-    capped by what the context leaves after the prompt.
+    capped by what the context leaves after the prompt. ``enable_thinking`` reaches a chat
+    template that reads it (candle-vllm's ``--thinking``) unless the request decides it itself.
     """
 
     temperature: float | None = None
@@ -48,6 +50,9 @@ class SamplingDefaults:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     max_tokens: int | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -58,6 +63,9 @@ class SamplingDefaults:
             "frequency_penalty": lambda v: -2 <= v <= 2,
             "presence_penalty": lambda v: -2 <= v <= 2,
             "max_tokens": lambda v: v >= 1,
+            "repetition_penalty": lambda v: 0 < v <= 10,
+            "repeat_last_n": lambda v: 0 <= v <= PENALTY_WINDOW,
+            "enable_thinking": lambda v: isinstance(v, bool),
         }
         for name, ok in checks.items():
             value = getattr(self, name)
