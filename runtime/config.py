@@ -18,6 +18,10 @@ MATMUL_DTYPES = (
     "int8",
 )  # quantized projections' operands; auto: the model dtype
 DEFAULT_MAX_WAITING = 256
+# prefill_chunk_size 0 (no chunking, as in candle-vllm) becomes this: a chunk longer than any
+# context, so each prompt is prefilled in one step (the buckets and the scheduler cap a chunk at
+# max_model_len).
+UNCHUNKED_PREFILL = 1 << 30
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -33,7 +37,8 @@ class EngineConfig:
     request is refused with ``EngineOverloadedError`` instead of queued (0: no bound).
     kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
     model's context length, capped by what the cache can hold. prefill_chunk_size is the most
-    prompt tokens one step processes for one sequence (chunked prefill). decode_steps is how many
+    prompt tokens one step processes for one sequence (chunked prefill); 0 turns chunking off
+    (stored as ``UNCHUNKED_PREFILL``: the whole prompt in one step). decode_steps is how many
     tokens a decode call generates per sequence when no other work waits (multi-step decode: one
     dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
     compute-bound, and 8 on accelerators, where dispatch dominates small models.
@@ -111,9 +116,14 @@ class EngineConfig:
         self._check_parallel()
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
+        self._check_prefill_chunk_size()
+
+    def _check_prefill_chunk_size(self) -> None:
+        if self.prefill_chunk_size == 0:
+            object.__setattr__(self, "prefill_chunk_size", UNCHUNKED_PREFILL)
         if self.prefill_chunk_size < self.page_size:
             raise ValueError(
-                f"prefill_chunk_size must be >= page_size ({self.page_size}), "
+                f"prefill_chunk_size must be 0 (no chunking) or >= page_size ({self.page_size}), "
                 f"got {self.prefill_chunk_size}"
             )
 

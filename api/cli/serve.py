@@ -1,15 +1,18 @@
 """``runtime-serve``: build an engine from command-line flags and serve it over HTTP.
 
-1. Load ``.env`` from the working directory (``api.cli.env_file``; set variables win), then parse
+1. Load ``.env`` from the working directory (``api.cli.serve.env_file``; set variables win), then parse
    the flags into an ``EngineConfig``, or one per model of ``--models-config`` (the flags as
-   their defaults; ``api.cli.models_config``). Bad values: a one-line ``runtime-serve: error: ...``
+   their defaults; ``api.cli.serve.models_config``). Bad values: a one-line ``runtime-serve: error: ...``
    and exit status 2, before anything heavy is imported.
+   candle-vllm's spellings are accepted too (``resolve_compat_flags``): flags that mean the
+   same map onto ours; those that cannot mean anything here print one
+   ``runtime-serve: warning: ...`` line each, once the flags are known to be valid.
 2. Build the engines (resolve and load each model; errors: one line, exit status 1).
 3. Serve ``create_app(models)`` with uvicorn; the app's lifespan connects the MCP servers of
    ``--mcp-config`` (a failure: one line, exit status 1) and starts the engines (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
    is printed (several models: their names joined by commas).
-4. SIGTERM drains (``api.cli.server``): no new requests, up to ``--shutdown-timeout`` for those in
+4. SIGTERM drains (``api.cli.serve.server``): no new requests, up to ``--shutdown-timeout`` for those in
    flight, the rest aborted, exit status 0. Ctrl-C stops sooner, with exit status 130.
 """
 
@@ -20,7 +23,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from jax_llm_runtime.api.cli.cluster_flags import add_cluster_flags, cluster_config
@@ -46,9 +50,62 @@ if TYPE_CHECKING:
     from jax_llm_runtime.api.service.served_models import ServedModel
     from jax_llm_runtime.api.service.settings import ServerConfig
     from jax_llm_runtime.runtime.engine.interface import EngineClient
+    from jax_llm_runtime.runtime.parallel.multihost import ClusterConfig
 
 PROG = "runtime-serve"
 MODELS_CONFIG_ENV = "RUNTIME_MODELS_CONFIG"
+CANDLE_VLLM_MODELS_CONFIG_ENV = "CANDLE_VLLM_MODELS_CONFIG"  # read when ours is unset
+# candle-vllm's short dtype names
+DTYPE_ALIASES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32"}
+# candle-vllm's TurboQuant KV caches; served here as fp8, the compressed cache there is
+TURBO_KV_CACHE_DTYPES = ("turbo8", "turbo4", "turbo3")
+# --log-level names, with RUST_LOG's (off, warn, trace) among them
+LOG_LEVELS = {
+    "off": logging.CRITICAL + 10,
+    "error": logging.ERROR,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": logging.DEBUG,
+}
+# candle-vllm's --enforce-parser values -> --tool-parser (None: no such parser here)
+ENFORCE_PARSERS = {"qwen": "hermes", "json": "json", "mistral": "mistral", "qwen_coder": None}
+# candle-vllm flags that cannot mean anything here: (flags, argparse options, why ignored)
+IGNORED_FLAGS: tuple[tuple[str, dict[str, object], str], ...] = (
+    (
+        "--multithread",
+        {"action": "store_true"},
+        "runtime-serve drives all of a model's devices from one process; there is no "
+        "multi-threaded mode to switch to",
+    ),
+    (
+        "--kvcache-mem-cpu",
+        {"type": int, "metavar": "MB"},
+        "the KV cache has no CPU swap space here; --kvcache-mem (--mem) alone sizes it",
+    ),
+    (
+        "--kv-fraction",
+        {"type": float, "metavar": "F"},
+        "the KV cache is sized in MB by --kvcache-mem (--mem), not as a share of free memory",
+    ),
+    (
+        "--yarn-scaling-factor",
+        {"type": float, "metavar": "F"},
+        "RoPE scaling cannot be overridden here; the model's config.json decides it",
+    ),
+    (
+        "--prefix-cache-max-tokens",
+        {"type": int, "metavar": "N"},
+        "the prefix cache has no cap of its own: it keeps free KV pages until they are needed",
+    ),
+    (
+        "--disable-cuda-graph",
+        {"action": "store_true"},
+        "XLA compiles each step shape ahead of time; there are no CUDA graphs to turn off",
+    ),
+)
+KEEP_ALIVE_ENV = "KEEP_ALIVE_INTERVAL"  # candle-vllm's SSE keep-alive period; nothing reads it here
 # Drain, abort and exit within Kubernetes' default 30 s between SIGTERM and SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25
 STARTED = time.monotonic()  # module import: close enough to process start
@@ -65,6 +122,20 @@ def _device_list(text: str) -> tuple[int, ...]:
     if any(d < 0 for d in devices):
         raise argparse.ArgumentTypeError(f"device indices must be >= 0, got {text!r}")
     return devices
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text.lower(), text)
+
+
+def _rust_log_level(value: str | None) -> str | None:
+    """The most verbose level RUST_LOG names (``info``, ``candle_vllm=debug``...), as candle-vllm
+    reads it; None when it names none."""
+    upper = (value or "").upper()
+    named = [
+        name for name in ("off", "error", "warn", "info", "debug", "trace") if name.upper() in upper
+    ]
+    return named[-1] if named else None
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -104,26 +175,39 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--models-config",
-        default=os.environ.get(MODELS_CONFIG_ENV) or None,
+        default=os.environ.get(MODELS_CONFIG_ENV)
+        or os.environ.get(CANDLE_VLLM_MODELS_CONFIG_ENV)
+        or None,
         metavar="PATH",
         help="serve the named models of this YAML file (models: {name: {model_id: ..., "
         "max_num_seqs: ..., ...}}; see example.models.yaml), each with its own engine, routed by "
         "the request's `model`; options a model leaves out take the engine flags' values; not "
         "with --model-id, --weight-file or --served-model-name "
-        f"(default: ${MODELS_CONFIG_ENV}, else the one model of --model-id)",
+        f"(default: ${MODELS_CONFIG_ENV}, else ${CANDLE_VLLM_MODELS_CONFIG_ENV}, else the one "
+        "model of --model-id)",
+    )
+    group.add_argument(
+        "--weight-path",
+        "--w",
+        default=None,
+        metavar="DIR",
+        help="candle-vllm's --w: a local weight folder (HF layout or GGUF), the same as "
+        "--model-id DIR; it wins over --model-id",
     )
     group.add_argument(
         "--weight-file",
         "--f",
         default=None,
-        help="which weight file to use inside the model folder or repo (e.g. one .gguf of many)",
+        help="which weight file to use inside the model folder or repo (e.g. one .gguf of many); "
+        "without --model-id or --weight-path, a local .gguf file to serve",
     )
     group.add_argument(
         "--dtype",
+        type=_dtype,
         choices=DTYPES,
         default="auto",
-        help="weight/activation dtype; auto: float32 on CPU, bfloat16 on accelerators "
-        "(default: %(default)s)",
+        help="weight/activation dtype (bf16, f16, f32 name the same); auto: float32 on CPU, "
+        "bfloat16 on accelerators (default: %(default)s)",
     )
     group.add_argument(
         "--served-model-name",
@@ -159,6 +243,7 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     add(
         "--kvcache-mem",
         "--mem",
+        "--kvcache-mem-gpu",
         dest="kvcache_mem_mb",
         type=_int_at_least(1),
         default=1024,
@@ -167,15 +252,17 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     )
     add(
         "--page-size",
+        "--block-size",
         type=_int_at_least(1),
         default=16,
         help="tokens per KV page, a power of 2 (default: %(default)s)",
     )
     add(
         "--prefill-chunk-size",
-        type=_int_at_least(1),
+        type=_int_at_least(0),
         default=8192,
-        help="most prompt tokens one step prefills for one sequence (default: %(default)s)",
+        help="most prompt tokens one step prefills for one sequence; 0 = no chunking, each "
+        "prompt in one step (default: %(default)s)",
     )
     add(
         "--isq",
@@ -188,11 +275,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     )
     add(
         "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
+        "--kvcache-dtype",
+        choices=(*KV_CACHE_DTYPES, *TURBO_KV_CACHE_DTYPES),
         default="auto",
         help="KV cache storage: auto = the model dtype; float32, float16 or bfloat16 = that dtype; "
         "fp8 (or fp8_e4m3) = float8 e4m3 with one scale per token and KV head, about a quarter of "
-        "float32's bytes (default: %(default)s)",
+        "float32's bytes; candle-vllm's turbo8, turbo4, turbo3 are served as fp8, with a warning "
+        "(default: %(default)s)",
     )
     add(
         "--matmul-dtype",
@@ -227,6 +316,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="seed of the engine's sampling random stream (default: %(default)s)",
     )
     add(
+        "--cpu",
+        dest="device",
+        action="store_const",
+        const="cpu",
+        help="same as --device cpu",
+    )
+    add(
         "--device",
         choices=("cpu", "gpu", "tpu", "metal"),
         default=None,
@@ -237,9 +333,10 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "--tensor-parallel-size",
         "--tp",
         type=_int_at_least(1),
-        default=1,
+        default=None,
         help="devices one model is split over (tensor parallelism: attention and KV heads, MLP "
-        "columns and the vocabulary divided among them; default: %(default)s)",
+        "columns and the vocabulary divided among them; default: the devices --devices lists "
+        "over --data-parallel-size (over --num-nodes hosts: times --num-nodes), else 1)",
     )
     add(
         "--data-parallel-size",
@@ -284,6 +381,12 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "(--no-prefix-cache computes every prompt in full; default: on)",
     )
     add(
+        "--disable-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="same as --no-prefix-cache",
+    )
+    add(
         "--debug-fill-freed-pages",
         action="store_true",
         help="DEBUGGING AID: fill every KV page with NaN when it is handed to a new owner, so "
@@ -293,7 +396,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_server_flags(group: argparse._ArgumentGroup) -> None:
     add = group.add_argument
-    add("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    add(
+        "--host",
+        "--h",
+        default="127.0.0.1",
+        help="interface to listen on; HOST:PORT, [IPv6]:PORT and tcp://HOST[:PORT] set --port "
+        "too (default: %(default)s)",
+    )
     add(
         "--port",
         "--p",
@@ -303,9 +412,19 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
     )
     add(
         "--log",
+        nargs="?",
+        const="",
         default=None,
         metavar="PATH",
-        help="append logs to this file instead of stderr (INFO level either way)",
+        help="append logs to this file instead of stderr; bare --log (candle-vllm's switch) "
+        "keeps them on stderr",
+    )
+    add(
+        "--log-level",
+        choices=tuple(LOG_LEVELS),
+        type=str.lower,
+        default=_rust_log_level(os.environ.get("RUST_LOG")) or "info",
+        help="least severe log records kept (default: the level $RUST_LOG names, else info)",
     )
     add(
         "--shutdown-timeout",
@@ -337,7 +456,128 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(parser.add_argument_group("server"))
     add_service_flags(parser)
     add_cluster_flags(parser)
+    _add_candle_vllm_flags(parser.add_argument_group("candle-vllm flags without a flag of ours"))
     return parser
+
+
+def _add_candle_vllm_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--enforce-parser",
+        choices=tuple(ENFORCE_PARSERS),
+        default=None,
+        help="candle-vllm's tool parser choice: qwen = --tool-parser hermes, json and mistral "
+        "the same; qwen_coder is ignored, with a warning (no Qwen3-Coder XML parser here)",
+    )
+    for flag, options, why in IGNORED_FLAGS:
+        group.add_argument(flag, default=None, help=f"ignored, with a warning: {why}", **options)
+
+
+def _bind_address(text: str) -> tuple[str, int | None]:
+    """candle-vllm's --h forms: host, host:port, [ipv6]:port, tcp://host[:port] (ValueError for
+    a unix socket or a bad port)."""
+    address = text
+    for scheme in ("unix://", "file://", "socket://"):
+        if address.startswith(scheme):
+            raise ValueError(
+                f"--host {text}: serving on a unix socket is not supported; use --host and --port"
+            )
+    if address.startswith("tcp://"):
+        address = address[len("tcp://") :].rstrip("/")
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+        if rest and port_text is None:
+            raise ValueError(f"--host {text}: expected [IPv6]:PORT")
+    elif address.count(":") == 1:
+        host, _, port_text = address.partition(":")
+    else:
+        host, port_text = address, None  # a name, IPv4 or a bare IPv6 address
+    if port_text is None:
+        return host, None
+    try:
+        return host, _port(port_text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--host {text}: port {exc}") from None
+
+
+def resolve_compat_flags(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """Turn candle-vllm's spellings in ``args`` into ours, in place; the warning lines (without
+    the ``runtime-serve: warning:`` prefix) for what cannot mean anything here. ValueError for a
+    bad value."""
+    env = os.environ if environ is None else environ
+    warnings = []
+    if args.weight_path is not None:
+        if args.model_id is not None:
+            warnings.append(
+                f"--model-id {args.model_id} ignored: --weight-path (--w) names the model"
+            )
+        args.model_id = args.weight_path
+    if args.model_id is None and args.weight_file is not None and args.models_config is None:
+        path = Path(args.weight_file).expanduser()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise ValueError(
+                f"--weight-file {args.weight_file}: without --model-id or --weight-path it must "
+                "be a local .gguf file"
+            )
+        args.model_id, args.weight_file = str(path), None
+    if args.kv_cache_dtype in TURBO_KV_CACHE_DTYPES:
+        warnings.append(
+            f"--kvcache-dtype {args.kv_cache_dtype} served as fp8: TurboQuant KV caches are not "
+            "implemented here; fp8 is float8 e4m3 with a scale per token and KV head"
+        )
+        args.kv_cache_dtype = "fp8"
+    host, port = _bind_address(args.host)
+    args.host = host
+    if port is not None:
+        args.port = port
+    if args.enforce_parser is not None:
+        parser = ENFORCE_PARSERS[args.enforce_parser]
+        if parser is None:
+            warnings.append(
+                f"--enforce-parser {args.enforce_parser} ignored: there is no Qwen3-Coder XML "
+                f"tool parser here; --tool-parser {args.tool_parser} reads tool calls"
+            )
+        else:
+            args.tool_parser = parser
+    for flag, _, why in IGNORED_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_")) is not None:  # given, even as 0
+            warnings.append(f"{flag} ignored: {why}")
+    if env.get(KEEP_ALIVE_ENV):
+        warnings.append(
+            f"${KEEP_ALIVE_ENV} ignored: streamed responses here send no keep-alive comments"
+        )
+    return warnings
+
+
+def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, else as candle-vllm infers it: the devices --devices lists over
+    --data-parallel-size (times --num-nodes: --devices then names each host's devices)."""
+    if args.tensor_parallel_size is not None:
+        return int(args.tensor_parallel_size)
+    if args.devices is None:
+        return 1
+    count, replicas = len(args.devices), args.data_parallel_size
+    if count % replicas:
+        raise ValueError(
+            f"--devices lists {count} devices, not a multiple of --data-parallel-size {replicas}"
+        )
+    return count // replicas * getattr(args, "num_nodes", 1)
+
+
+def _devices(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--devices; over several hosts without --tensor-parallel-size (candle-vllm's --d 0,1,...
+    on every host), every host's devices: None, the first ones of all of them."""
+    nodes = getattr(args, "num_nodes", 1)
+    if args.devices is None or nodes == 1 or args.tensor_parallel_size is not None:
+        return args.devices
+    if args.devices != tuple(range(len(args.devices))):
+        raise ValueError(
+            "over several hosts, --devices without --tensor-parallel-size must list each host's "
+            f"devices from 0 (0,1,...), got {','.join(map(str, args.devices))}"
+        )
+    return None
 
 
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -357,9 +597,9 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         matmul_dtype=args.matmul_dtype,
         seed=args.seed,
         prefix_cache=args.prefix_cache,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=_tensor_parallel_size(args),
         data_parallel_size=args.data_parallel_size,
-        devices=args.devices,
+        devices=_devices(args),
         expert_parallel=args.expert_parallel,
         num_experts_offload_per_rank=args.num_experts_offload_per_rank,
         debug_fill_freed_pages=args.debug_fill_freed_pages,
@@ -374,6 +614,7 @@ def _engine_configs(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
     if args.models_config is None:
         return (base,)
     naming = {
+        "--weight-path": args.weight_path,
         "--model-id": args.model_id,
         "--weight-file": args.weight_file,
         "--served-model-name": args.served_model_name,
@@ -381,18 +622,20 @@ def _engine_configs(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
     given = [flag for flag, value in naming.items() if value is not None]
     if given:
         raise ValueError(
-            f"{given[0]} cannot be combined with --models-config (or ${MODELS_CONFIG_ENV}): the "
+            f"{given[0]} cannot be combined with --models-config (or ${MODELS_CONFIG_ENV}, "
+            f"${CANDLE_VLLM_MODELS_CONFIG_ENV}): the "
             "file names each model and its source"
         )
     return load_models_config(args.models_config, base)
 
 
-def _configure_logging(log_path: str | None) -> None:
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Logs to --log's file (bare --log or none: stderr) from --log-level up."""
     handler: logging.Handler = (
-        logging.FileHandler(log_path, encoding="utf-8") if log_path else logging.StreamHandler()
+        logging.FileHandler(args.log, encoding="utf-8") if args.log else logging.StreamHandler()
     )
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(level=LOG_LEVELS[args.log_level], handlers=[handler], force=True)
 
 
 def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
@@ -442,6 +685,23 @@ def _serve(
     return serve(models, host, port, server, shutdown_timeout_s, STARTED)
 
 
+def _checked_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[tuple[EngineConfig, ...], ClusterConfig]:
+    """The engine and cluster configs of valid flags (a bad value: one line, exit status 2), after
+    one warning line for each candle-vllm flag that is ignored."""
+    try:
+        warnings = resolve_compat_flags(args)
+        configs = _engine_configs(args)
+        cluster = cluster_config(args)
+        server_config(args)  # validate the service flags before loading anything
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+    for warning in warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    return configs, cluster
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``runtime-serve``; returns the process exit status."""
     try:
@@ -451,14 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    configs, cluster = _checked_flags(parser, args)
     try:
-        configs = _engine_configs(args)
-        cluster = cluster_config(args)
-        server_config(args)  # validate the service flags before loading anything
-    except ValueError as exc:
-        parser.error(str(exc))  # exits with status 2
-    try:
-        _configure_logging(args.log)
+        _configure_logging(args)
     except OSError as exc:
         parser.error(f"cannot open log file {args.log}: {exc}")
     from jax_llm_runtime.runtime.loading.sources import ModelSourceError

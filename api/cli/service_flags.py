@@ -1,5 +1,5 @@
 """``runtime-serve`` flags for the HTTP service (auth, CORS, caps) and server sampling defaults,
-turned into a ``ServerConfig``; ``api.cli.serve`` adds them to its parser.
+turned into a ``ServerConfig``; ``api.cli.serve.serve`` adds them to its parser.
 
 Sampling precedence: request field > these flags > the model's ``generation_config.json`` (HF
 folders and cached hub repos; GGUF files have none) > OpenAI's defaults.
@@ -28,14 +28,44 @@ from jax_llm_runtime.api.ui.settings import add_ui_flags, ui_config
 
 API_KEY_ENV = "RUNTIME_API_KEY"
 MCP_CONFIG_ENV = "RUNTIME_MCP_CONFIG"
-_SAMPLING_FLAGS = (
-    ("--temperature", float, "temperature"),
-    ("--top-p", float, "top_p"),
-    ("--top-k", int, "top_k"),
-    ("--min-p", float, "min_p"),
-    ("--frequency-penalty", float, "frequency_penalty"),
-    ("--presence-penalty", float, "presence_penalty"),
-    ("--max-gen-tokens", int, "max_tokens"),
+CANDLE_VLLM_MCP_CONFIG_ENV = "CANDLE_VLLM_MCP_CONFIG"  # read when $RUNTIME_MCP_CONFIG is unset
+
+
+def _on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+# (flags, type, SamplingDefaults field, help); the first flag is ours, the others candle-vllm's.
+_SAMPLING_FLAGS: tuple[tuple[tuple[str, ...], Any, str, str], ...] = (
+    (("--temperature",), float, "temperature", "default temperature"),
+    (("--top-p",), float, "top_p", "default top_p"),
+    (("--top-k",), int, "top_k", "default top_k"),
+    (("--min-p",), float, "min_p", "default min_p"),
+    (("--frequency-penalty",), float, "frequency_penalty", "default frequency_penalty"),
+    (("--presence-penalty",), float, "presence_penalty", "default presence_penalty"),
+    (
+        ("--repetition-penalty", "--penalty"),
+        float,
+        "repetition_penalty",
+        "default repetition_penalty (1 = none; candle-vllm's --penalty)",
+    ),
+    (
+        ("--repeat-last-n",),
+        int,
+        "repeat_last_n",
+        "default repeat_last_n: the penalties look at the last N tokens only (0 = the last 1024)",
+    ),
+    (
+        ("--max-gen-tokens",),
+        int,
+        "max_tokens",
+        "default completion budget when a request sets no max_tokens",
+    ),
 )
 
 
@@ -95,22 +125,32 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         "sampling defaults",
         "used when a request omits the field; they win over the model's generation_config",
     )
-    for flag, kind, dest in _SAMPLING_FLAGS:
-        help_text = "default completion budget when a request sets no max_tokens"
-        if dest != "max_tokens":
-            help_text = f"default {dest}"
-        group.add_argument(flag, dest=f"default_{dest}", type=kind, default=None, help=help_text)
+    for flags, kind, dest, help_text in _SAMPLING_FLAGS:
+        group.add_argument(*flags, dest=f"default_{dest}", type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--thinking",
+        dest="default_enable_thinking",
+        type=_on_off,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="true|false",
+        help="default enable_thinking of chat templates that read it (Qwen3 and the like) for "
+        "requests that do not set thinking themselves; bare --thinking = true "
+        "(default: the template's own)",
+    )
 
 
 def _add_mcp_flags(add: Any) -> None:
     add(
         "--mcp-config",
-        default=os.environ.get(MCP_CONFIG_ENV),
+        default=os.environ.get(MCP_CONFIG_ENV) or os.environ.get(CANDLE_VLLM_MCP_CONFIG_ENV),
         metavar="PATH",
         help='connect to the MCP servers of this mcp.json ({"mcpServers": {name: {"command", '
         '"args", "env"} or {"url", "headers"}}}) at startup; their tools, named '
         "<server>__<tool>, go to chat and responses requests that send no tools, and "
-        f"/v1/responses runs them (default: ${MCP_CONFIG_ENV}, else none)",
+        f"/v1/responses runs them (default: ${MCP_CONFIG_ENV}, else "
+        f"${CANDLE_VLLM_MCP_CONFIG_ENV}, else none)",
     )
     add(
         "--mcp-max-rounds",
@@ -131,9 +171,8 @@ def _add_mcp_flags(add: Any) -> None:
 
 def sampling_flags(args: argparse.Namespace) -> SamplingDefaults:
     """The sampling defaults the flags set (ValueError when out of range)."""
-    return SamplingDefaults(
-        **{dest: getattr(args, f"default_{dest}") for _, _, dest in _SAMPLING_FLAGS}
-    )
+    values = {dest: getattr(args, f"default_{dest}") for _, _, dest, _ in _SAMPLING_FLAGS}
+    return SamplingDefaults(**values, enable_thinking=args.default_enable_thinking)
 
 
 def _origins(values: list[str]) -> tuple[str, ...]:

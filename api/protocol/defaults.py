@@ -22,6 +22,15 @@ B = TypeVar("B", bound=msgspec.Struct)
 _FILLED = tuple(f.name for f in fields(SamplingDefaults) if f.name != "max_tokens")
 
 
+def _decides_thinking(body: msgspec.Struct) -> bool:
+    """Whether the request sets thinking itself (``thinking`` or in ``chat_template_kwargs``), so
+    that a server default ``enable_thinking`` would contradict it."""
+    kwargs = getattr(body, "chat_template_kwargs", None) or {}
+    return getattr(body, "thinking", None) is not None or bool(
+        {"enable_thinking", "thinking"} & set(kwargs)
+    )
+
+
 def with_sampling_defaults(body: B, defaults: SamplingDefaults) -> B:
     """``body`` with each absent sampling field set to the server default (when there is one)."""
     changes = {
@@ -31,6 +40,8 @@ def with_sampling_defaults(body: B, defaults: SamplingDefaults) -> B:
         and name in body.__struct_fields__
         and getattr(body, name) is None
     }
+    if "enable_thinking" in changes and _decides_thinking(body):
+        del changes["enable_thinking"]
     return msgspec.structs.replace(body, **changes) if changes else body
 
 

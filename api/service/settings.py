@@ -2,7 +2,7 @@
 
 Precedence for a sampling setting: the request's field > the ``runtime-serve`` flag > the model's
 ``generation_config.json`` > OpenAI's default. ``SamplingDefaults.over`` layers the flag values
-over the generation_config ones; ``api.protocol.defaults`` fills a request's absent fields from the result.
+over the generation_config ones; ``api.protocol.bodies.defaults`` fills a request's absent fields from the result.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from jax_llm_runtime.api.mcp.config import McpServerConfig
 from jax_llm_runtime.api.ui.settings import UiConfig
+from jax_llm_runtime.runtime.engine.request import PENALTY_WINDOW
 
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
@@ -38,7 +39,8 @@ class SamplingDefaults:
     """Values used when a request omits the field; ``None`` leaves OpenAI's default in place.
 
     ``max_tokens`` is the default completion budget (candle-vllm's ``--max-gen-tokens``), still
-    capped by what the context leaves after the prompt.
+    capped by what the context leaves after the prompt. ``enable_thinking`` reaches a chat
+    template that reads it (candle-vllm's ``--thinking``) unless the request decides it itself.
     """
 
     temperature: float | None = None
@@ -48,6 +50,9 @@ class SamplingDefaults:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     max_tokens: int | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -58,6 +63,9 @@ class SamplingDefaults:
             "frequency_penalty": lambda v: -2 <= v <= 2,
             "presence_penalty": lambda v: -2 <= v <= 2,
             "max_tokens": lambda v: v >= 1,
+            "repetition_penalty": lambda v: 0 < v <= 10,
+            "repeat_last_n": lambda v: 0 <= v <= PENALTY_WINDOW,
+            "enable_thinking": lambda v: isinstance(v, bool),
         }
         for name, ok in checks.items():
             value = getattr(self, name)
@@ -96,7 +104,7 @@ class ServerConfig:
     means the engine's ``model_name`` only. ``api_key``: when set, ``/v1/*``, ``/tokenize`` and
     ``/detokenize`` need ``Authorization: Bearer <key>``. ``allowed_origins``: CORS is off when
     empty. ``max_completion_tokens_cap``: None means ``max_model_len``. ``mcp_servers``: the MCP
-    servers connected at startup (``api.mcp.client``); ``mcp_max_rounds``: how many model turns of MCP
+    servers connected at startup (``api.mcp.client.client``); ``mcp_max_rounds``: how many model turns of MCP
     calls one /v1/responses request may run; ``mcp_timeout_s`` bounds each call and
     ``mcp_max_output_bytes`` each result. ``ui``: the web chat UI's settings (``api.ui``); None
     serves no UI.
