@@ -83,7 +83,7 @@ async def start_chat(
     n = resolve_n(body.n, config.max_n)
     check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "top_logprobs")
     generations = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
+        engine, request, prompt_ids, sampling, request_id, metrics, n
     )
     choices: list[Any] = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
     if tools is not None:

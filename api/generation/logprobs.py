@@ -1,11 +1,9 @@
 """Per-token logprobs in the HTTP layer: kept aligned with the text that is sent, and formatted.
 
-1. The engine attaches a ``TokenLogprobs`` to each generated token (see ``runtime.engine.request``).
-2. ``LogprobAligner`` holds a token's logprobs until the stop-string matcher has released all of
-   its text, so a streamed chunk carries the logprobs of the tokens whose text it completes. When
-   a stop string cuts the text, tokens whose text starts before the cut are kept (their text is
-   sent, perhaps in part) and tokens from the cut on are dropped, like their text.
-3. ``chat_logprobs`` / ``completion_logprobs`` render them in OpenAI's chat and legacy formats. A
+1. The engine attaches a ``TokenLogprobs`` to each generated token (see ``runtime.engine.request``)
+   and hands each delta the logprobs of the tokens whose text it completes, stop strings applied
+   (``runtime.text.stop_strings.OutputText``).
+2. ``chat_logprobs`` / ``completion_logprobs`` render them in OpenAI's chat and legacy formats. A
    token's text is ``decode([id])`` with special tokens shown, and ``bytes`` its UTF-8 bytes; a
    banned token's ``-inf`` is reported as -9999.0, as JSON has no infinity.
 """
@@ -13,8 +11,7 @@
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from jax_llm_runtime.api.protocol.bodies import (
     ChatLogprobs,
@@ -26,44 +23,6 @@ from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0
-
-
-class LogprobAligner:
-    """Tracks which tokens' text has been released; see the module docstring."""
-
-    def __init__(self) -> None:
-        self._pending: deque[tuple[int, int, tuple[TokenLogprobs, ...]]] = deque()  # start, end
-        self._fed = 0
-        self._released = 0
-
-    def add(self, text: str, logprobs: tuple[TokenLogprobs, ...]) -> None:
-        """Record a delta's text (before it goes to the stop-string matcher) and its logprobs."""
-        if logprobs:
-            self._pending.append((self._fed, self._fed + len(text), logprobs))
-        self._fed += len(text)
-
-    def release(self, num_chars: int) -> tuple[TokenLogprobs, ...]:
-        """``num_chars`` more characters were sent: the logprobs whose text is now all sent."""
-        self._released += num_chars
-        return self._pop(lambda start, end: end <= self._released)
-
-    def cut(self, num_chars: int) -> tuple[TokenLogprobs, ...]:
-        """A stop string matched after ``num_chars`` more characters: the tokens that started
-        before the cut; the rest are dropped."""
-        self._released += num_chars
-        kept = self._pop(lambda start, end: start < self._released or end <= self._released)
-        self._pending.clear()
-        return kept
-
-    def flush(self) -> tuple[TokenLogprobs, ...]:
-        """Generation ended without a stop string: everything still held."""
-        return self._pop(lambda start, end: True)
-
-    def _pop(self, ready: Callable[[int, int], bool]) -> tuple[TokenLogprobs, ...]:
-        out: list[TokenLogprobs] = []
-        while self._pending and ready(*self._pending[0][:2]):
-            out += self._pending.popleft()[2]
-        return tuple(out)
 
 
 def _value(logprob: float) -> float:

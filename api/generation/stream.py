@@ -1,9 +1,10 @@
-"""One request's engine stream as text: submission, stop strings, collection, and closing.
+"""One request's engine stream as text pieces: submission, collection, and closing.
 
 1. ``start_generation`` submits the prompt and waits for the first delta, so a prompt the engine
    rejects (``ValueError``) is still a plain 400, before any streamed byte, and a client that leaves
    while its request is queued is noticed (``cancel_on_disconnect``).
-2. ``Generation.pieces`` turns deltas into ``TextPiece``s with stop strings applied.
+2. ``Generation.pieces`` turns deltas into ``TextPiece``s with usage. The engine has applied the
+   stop strings already (``SamplingParams.stop``), so a delta's text and logprobs go out as they are.
 3. ``Generation.collect`` gathers a whole completion for non-streamed responses.
 4. However iteration ends (finish, stop string, error, disconnect), the engine stream is closed,
    which aborts an unfinished sequence in the engine.
@@ -18,7 +19,6 @@ from typing import Any
 
 from litestar import Request
 
-from jax_llm_runtime.api.generation.logprobs import LogprobAligner
 from jax_llm_runtime.api.generation.timing import RequestTiming
 from jax_llm_runtime.api.protocol.bodies import CompletionTokensDetails, PromptTokensDetails, Usage
 from jax_llm_runtime.api.protocol.errors import APIError, bad_request
@@ -32,7 +32,6 @@ from jax_llm_runtime.runtime.engine.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from jax_llm_runtime.runtime.text.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)
@@ -88,14 +87,12 @@ class Generation:
         self,
         deltas: AsyncIterator[GenerationDelta],
         first: GenerationDelta,
-        stop: tuple[str, ...],
         timing: RequestTiming | None = None,
         metrics: Metrics | None = None,
         model_name: str = "",
     ) -> None:
         self._deltas = deltas
         self._first = first
-        self._stop = stop
         self._timing = timing or RequestTiming()
         self._metrics = metrics
         self._model_name = model_name  # the metrics' label
@@ -124,18 +121,9 @@ class Generation:
         Raises APIError(503) when the engine aborted the request (shutdown), and
         EngineStreamError when the stream ends without a finish reason.
         """
-        matcher = StopStringMatcher(self._stop)
-        aligner = LogprobAligner()
         delta = self._first
         try:
             while True:
-                aligner.add(delta.text, delta.logprobs)
-                text = matcher.feed(delta.text)
-                if matcher.stopped:
-                    reason = FinishReason.STOP.value
-                    usage = self._finished(delta, reason)
-                    yield TextPiece(text, reason, usage, logprobs=aligner.cut(len(text)))
-                    return
                 if delta.finish_reason is FinishReason.ABORT:
                     raise _aborted()
                 if delta.finish_reason is FinishReason.ERROR:
@@ -143,11 +131,11 @@ class Generation:
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason.value
                     usage = self._finished(delta, reason)
-                    yield TextPiece(text + matcher.flush(), reason, usage, logprobs=aligner.flush())
+                    yield TextPiece(delta.text, reason, usage, logprobs=delta.logprobs)
                     return
-                if text:
+                if delta.text:
                     usage = _usage(delta, self._timing)
-                    yield TextPiece(text, None, usage, logprobs=aligner.release(len(text)))
+                    yield TextPiece(delta.text, None, usage, logprobs=delta.logprobs)
                 delta = await self._next()
         finally:
             await self.aclose()
@@ -178,7 +166,6 @@ async def start_generation(
     prompt_ids: list[int],
     sampling: SamplingParams,
     request_id: str,
-    stop: tuple[str, ...],
     metrics: Metrics | None = None,
     n: int = 1,
 ) -> list[Generation]:
@@ -215,7 +202,7 @@ async def start_generation(
         raise
     timing.mark_first_token()
     return [
-        Generation(stream, first, stop, timing, metrics, engine.model_name)
+        Generation(stream, first, timing, metrics, engine.model_name)
         for stream, first in zip(streams, firsts, strict=True)
     ]
 

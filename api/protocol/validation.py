@@ -139,6 +139,7 @@ def build_sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
             max_tokens=max_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
             min_p=body.min_p or 0.0,

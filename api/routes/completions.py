@@ -153,7 +153,7 @@ async def create_completion(
     check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
     echo = await _echo(engine, body, prompt_ids, sampling.logprobs)
     generations = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, body.stop_strings(), metrics, n
+        engine, request, prompt_ids, sampling, request_id, metrics, n
     )
     tokenizer = engine.tokenizer if sampling.logprobs is not None else None
     if body.stream:

@@ -6,7 +6,8 @@
    the work, the runner pads it to a bucket and calls the jitted step, the scheduler applies the
    sampled tokens (stops, finishes, frees pages).
 3. Each changed sequence's new token goes to its stream with ``call_soon_threadsafe``; the iterator
-   detokenizes incrementally and yields ``GenerationDelta``s. Leaving the iterator early aborts.
+   detokenizes incrementally, applies stop strings (``runtime.text.stop_strings``: a match ends
+   the sequence) and yields ``GenerationDelta``s of finished text. Leaving it early aborts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jax_llm_runtime.runtime.engine.request import (
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.engine.sequence import Sequence
 from jax_llm_runtime.runtime.engine.stats import EngineStats
+from jax_llm_runtime.runtime.text.stop_strings import OutputText
 
 logger = logging.getLogger(__name__)
 
@@ -441,6 +443,7 @@ class _RequestStream:
         self._seq = seq
         self._queue = queue
         self._decoder = engine.tokenizer.incremental_decoder(seq.sampling.skip_special_tokens)
+        self._text = OutputText(seq.sampling.stop)
         self._num_output = 0
         self._finished = False
 
@@ -456,21 +459,30 @@ class _RequestStream:
             await self.aclose()
             raise
         self._num_output += len(out.token_ids)
-        self._finished = out.finish_reason is not None
+        reason = out.finish_reason
         # The EOS or stop token that ended the sequence counts as output but is not text (as in
         # vLLM), also with skip_special_tokens=False.
-        shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids
+        shown = out.token_ids[:-1] if reason is FinishReason.STOP else out.token_ids
         text = self._decoder.push(shown)
-        if self._finished:
+        if reason is not None:
             text += self._decoder.flush()  # a trailing incomplete character, if any
+        text, logprobs = self._text.feed(text, tuple(out.logprobs))
+        if self._text.stopped:
+            if reason is None:  # the sequence ends here: its pages are freed at once
+                self._engine._post("abort", self._seq.request_id)
+            reason = FinishReason.STOP
+        elif reason is not None:
+            held, more = self._text.finish()
+            text, logprobs = text + held, logprobs + more
+        self._finished = reason is not None
         return GenerationDelta(
             token_ids=tuple(out.token_ids),
             text=text,
             num_prompt_tokens=len(self._seq.prompt_ids),
             num_output_tokens=self._num_output,
             num_cached_tokens=self._seq.num_cached_tokens,
-            finish_reason=out.finish_reason,
-            logprobs=tuple(out.logprobs),
+            finish_reason=reason,
+            logprobs=logprobs,
         )
 
     async def aclose(self) -> None:

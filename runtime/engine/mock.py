@@ -6,7 +6,7 @@
    order), else with a fixed ``reply`` text, or by default with the prompt's text reversed (for a
    rendered chat, the last user message reversed), one token per delta with a short
    ``asyncio.sleep`` between them, then EOS.
-3. It honours ``max_tokens``, ``max_model_len``, ``stop_token_ids`` and ``ignore_eos`` like the real
+3. It honours ``max_tokens``, ``max_model_len``, ``stop_token_ids``, ``stop`` and ``ignore_eos`` like the real
    engine, and records every request and every abort (a consumer that stops iterating early) so
    tests can assert on them from any thread.
 4. It admits like the real engine: at most ``max_num_seqs`` streams produce tokens at once, the
@@ -35,6 +35,7 @@ from jax_llm_runtime.runtime.engine.request import (
     TokenLogprobs,
 )
 from jax_llm_runtime.runtime.engine.stats import EngineStats
+from jax_llm_runtime.runtime.text.stop_strings import OutputText
 
 BOS_ID = 256
 EOS_ID = 257
@@ -226,6 +227,7 @@ class MockEngine:
         reply = self._reply_ids(prompt_token_ids)
         limit = min(sampling.max_tokens, self.max_model_len - num_prompt)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        output = OutputText(sampling.stop)  # stop strings, as the engine applies them
         finished = running = False
         try:
             running = await self._wait_for_slot()
@@ -245,8 +247,16 @@ class MockEngine:
                 reason = FinishReason.STOP if stops else None
                 if reason is None and step + 1 == limit:
                     reason = FinishReason.LENGTH
-                finished = reason is not None
                 logprobs = _mock_logprobs(token, sampling.logprobs)
+                text, logprobs = output.feed(text, logprobs)
+                if output.stopped:
+                    if reason is None:  # the sequence ends here, aborted as the engine does
+                        self._record_abort(request_id)
+                    reason = FinishReason.STOP
+                elif reason is not None:
+                    held, more = output.finish()
+                    text, logprobs = text + held, logprobs + more
+                finished = reason is not None
                 yield GenerationDelta((token,), text, num_prompt, step + 1, reason, logprobs)
                 if finished:
                     return

@@ -36,6 +36,8 @@ class SamplingParams:
     (candle-vllm) limits all three to the last ``repeat_last_n`` tokens of prompt + output
     (0 or less: the whole history); either way the window is capped at ``PENALTY_WINDOW`` tokens.
 
+    ``stop``: strings that end the generation where they appear in its text; the text handed
+    out ends before the first one, and the finish reason is "stop" (``runtime.text.stop_strings``).
     ``logit_bias`` maps token ids to a bias in [-100, 100] added to their logits; -100 bans the
     token. ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many tokens.
     ``seed`` makes sampling reproducible whatever else is batched (None: the engine picks one).
@@ -50,6 +52,7 @@ class SamplingParams:
     top_k: int = 0
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the text (runtime.text.stop_strings)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # for the streamed text; token ids are unaffected
     min_p: float = 0.0
@@ -74,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -4,8 +4,8 @@
    picks the JAX platform (``device``), builds the same ``Engine`` that ``runtime-serve`` builds
    (``runtime.loading.builder.build_engine``) and starts it.
 2. ``generate``/``chat`` tokenize the prompt (a chat through the model's chat template, rendered
-   and encoded as the chat route does it), submit it, and read the engine's delta stream, with
-   ``stop`` strings matched like the server matches them (``runtime.text.stop_strings``).
+   and encoded as the chat route does it), submit it, and read the engine's delta stream, whose
+   text has ``stop`` strings applied by the engine, as the server's has.
 3. The ``a``-prefixed methods are coroutines on the caller's event loop; the plain ones run the same
    coroutines on a private event-loop thread (``runtime.library.loop_thread``), so they work from a script
    and from inside a running loop such as Jupyter's.
@@ -28,7 +28,6 @@ from jax_llm_runtime.runtime.engine.request import FinishReason, GenerationDelta
 from jax_llm_runtime.runtime.library.builder import EngineBuilder, engine_config
 from jax_llm_runtime.runtime.library.loop_thread import LoopThread
 from jax_llm_runtime.runtime.platform import select_platform
-from jax_llm_runtime.runtime.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
     from jax_llm_runtime.runtime.engine.interface import EngineClient
@@ -63,23 +62,15 @@ class Completion:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
-class _Piece:
-    text: str  # stop strings applied
-    delta: GenerationDelta
-    finish_reason: str | None
-
-
-def sampling_from_options(options: Mapping[str, Any]) -> tuple[SamplingParams, tuple[str, ...]]:
-    """``SamplingParams`` and stop strings from keyword options: every ``SamplingParams`` field
-    plus ``stop`` (a string or a list of strings). Lists are accepted for ``stop_token_ids``, a
-    ``{token_id: bias}`` dict for ``logit_bias``. Unknown names are a TypeError."""
+def sampling_from_options(options: Mapping[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from keyword options, one per field; ``stop`` may be a string or a list
+    of strings, ``stop_token_ids`` a list, ``logit_bias`` a ``{token_id: bias}`` dict. Unknown
+    names are a TypeError."""
     options = dict(options)
-    stop = options.pop("stop", None)
     unknown = sorted(set(options) - _SAMPLING_FIELDS)
     if unknown:
         raise TypeError(
-            f"unknown sampling option(s) {', '.join(unknown)}; the options are stop, "
+            f"unknown sampling option(s) {', '.join(unknown)}; the options are "
             f"{', '.join(sorted(_SAMPLING_FIELDS))}"
         )
     if "stop_token_ids" in options:
@@ -89,15 +80,15 @@ def sampling_from_options(options: Mapping[str, Any]) -> tuple[SamplingParams, t
         options["logit_bias"] = tuple((int(k), float(v)) for k, v in bias.items())
     elif bias is not None:
         options["logit_bias"] = tuple((int(k), float(v)) for k, v in bias)
+    stop = options.get("stop")
     if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
+        options.pop("stop", None)
     else:
-        stops = tuple(stop)
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-    return SamplingParams(**options), stops
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        options["stop"] = stops
+    return SamplingParams(**options)
 
 
 class InferenceEngine:
@@ -308,15 +299,14 @@ class InferenceEngine:
     async def _collect(self, ids: list[int], options: Mapping[str, Any]) -> Completion:
         parts: list[str] = []
         token_ids: list[int] = []
-        async for piece in self._pieces(ids, options):
-            parts.append(piece.text)
-            token_ids += piece.delta.token_ids
-            if piece.finish_reason is not None:
-                delta = piece.delta
+        async for delta in self._deltas(ids, options):
+            parts.append(delta.text)
+            token_ids += delta.token_ids
+            if delta.finish_reason is not None:
                 return Completion(
                     "".join(parts),
                     tuple(token_ids),
-                    piece.finish_reason,
+                    delta.finish_reason.value,
                     delta.num_prompt_tokens,
                     delta.num_output_tokens,
                     delta.num_cached_tokens,
@@ -324,28 +314,25 @@ class InferenceEngine:
         raise GenerationError("the engine stream ended without a finish reason")
 
     async def _texts(self, ids: list[int], options: Mapping[str, Any]) -> AsyncIterator[str]:
-        async for piece in self._pieces(ids, options):
-            if piece.text:
-                yield piece.text
+        async for delta in self._deltas(ids, options):
+            if delta.text:
+                yield delta.text
 
-    async def _pieces(self, ids: list[int], options: Mapping[str, Any]) -> AsyncIterator[_Piece]:
-        """The request's deltas with stop strings applied; the last piece has a finish reason.
-        However iteration ends, the engine stream is closed (aborting an unfinished sequence)."""
-        sampling, stop = sampling_from_options(options)
-        matcher = StopStringMatcher(stop)
+    async def _deltas(
+        self, ids: list[int], options: Mapping[str, Any]
+    ) -> AsyncIterator[GenerationDelta]:
+        """The request's deltas (stop strings applied by the engine), up to the one with a finish
+        reason. However iteration ends, the engine stream is closed (aborting an unfinished
+        sequence)."""
+        sampling = sampling_from_options(options)
         stream = self._engine.generate(ids, sampling, f"lib-{next(self._request_ids)}")
         try:
             async for delta in stream:
-                text = matcher.feed(delta.text)
-                if matcher.stopped:
-                    yield _Piece(text, delta, FinishReason.STOP.value)
-                    return
                 if delta.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                     raise GenerationError(_ENDED[delta.finish_reason])
+                yield delta
                 if delta.finish_reason is not None:
-                    yield _Piece(text + matcher.flush(), delta, delta.finish_reason.value)
                     return
-                yield _Piece(text, delta, None)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

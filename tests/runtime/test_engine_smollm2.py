@@ -7,6 +7,7 @@ summation order); greedy tokens must agree exactly.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import jax
 import numpy as np
@@ -156,6 +157,35 @@ def test_finish_reasons_and_page_release(engine):
 
     assert asyncio.run(run())[-1] is FinishReason.LENGTH
     sched = engine.scheduler
+    assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+def test_stop_strings_end_the_sequence_in_the_engine(engine):
+    """The engine's stream hands out finished text: it ends before a stop string, with finish
+    reason "stop", the logprobs of the tokens that text came from, and the sequence's pages freed."""
+    ids = chat_ids(engine, PROMPTS[0])
+
+    async def run(sampling: SamplingParams, request_id: str):
+        deltas = [d async for d in engine.generate(ids, sampling, request_id)]
+        return "".join(d.text for d in deltas), deltas
+
+    full, _ = asyncio.run(run(SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), "full"))
+    cut = len(full) // 2
+    stop = full[cut : cut + 4]
+    assert len(stop) == 4 and stop.strip(), full
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=(stop,), logprobs=0)
+    text, deltas = asyncio.run(run(sampling, "stopped"))
+    assert text == full[: full.find(stop)]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    kept = [entry.token_id for d in deltas for entry in d.logprobs]
+    decode = engine.tokenizer.decode
+    assert decode(kept).startswith(text) and len(decode(kept[:-1])) < len(text)
+    sched = engine.scheduler
+    for _ in range(200):  # the abort reaches the loop thread between steps
+        if sched.allocator.num_free == sched.allocator.num_pages:
+            break
+        time.sleep(0.01)
     assert sched.allocator.num_free == sched.allocator.num_pages
 
 

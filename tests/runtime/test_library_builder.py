@@ -103,7 +103,7 @@ def test_selecting_the_running_platform_succeeds() -> None:
 
 
 def test_sampling_options_map_to_sampling_params_and_stop_strings() -> None:
-    sampling, stop = sampling_from_options(
+    sampling = sampling_from_options(
         {
             "max_tokens": 5,
             "temperature": 0,
@@ -118,11 +118,11 @@ def test_sampling_options_map_to_sampling_params_and_stop_strings() -> None:
         temperature=0.0,
         top_k=3,
         stop_token_ids=(1, 2),
+        stop=("END",),
         logit_bias=((7, -100.0),),
     )
-    assert stop == ("END",)
-    assert sampling_from_options({"stop": ["a", "b"]})[1] == ("a", "b")
-    assert sampling_from_options({}) == (SamplingParams(), ())
+    assert sampling_from_options({"stop": ["a", "b"]}).stop == ("a", "b")
+    assert sampling_from_options({}) == SamplingParams()
 
 
 def test_bad_sampling_options() -> None:
