@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, Request, Response
@@ -58,6 +58,54 @@ def _overloaded(_: Request[Any, Any, Any], exc: EngineOverloadedError) -> Respon
     return Response(error.body(), status_code=503, headers=retry_later_headers())
 
 
+def _model_cards(registry: ModelRegistry) -> list[ModelCard]:
+    """One /v1/models card per served name."""
+    created = int(time.time())
+    return [
+        ModelCard(
+            id=name, created=created, owned_by=OWNED_BY, max_model_len=entry.engine.max_model_len
+        )
+        for entry in registry.entries
+        for name in entry.names
+    ]
+
+
+def _mcp_lifespan(mcp: McpClients) -> Callable[[Litestar], AbstractAsyncContextManager[None]]:
+    """The MCP servers are connected before the engines start, and closed after they stop."""
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await mcp.connect()
+        try:
+            yield
+        finally:
+            await mcp.close()
+
+    return lifespan
+
+
+def _engine_lifespan(
+    registry: ModelRegistry, drain: Drain
+) -> Callable[[Litestar], AbstractAsyncContextManager[None]]:
+    """The engines start one after another (compilation and warmup) and shut down together."""
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        try:
+            for entry in registry.entries:
+                logger.info("starting engine for %s", entry.name)
+                await asyncio.to_thread(entry.engine.start)
+                logger.info(
+                    "engine ready: %s (max_model_len=%d)", entry.name, entry.engine.max_model_len
+                )
+            yield
+        finally:
+            logger.info("shutting down engines: %s", ", ".join(e.name for e in registry.entries))
+            await drain.shutdown_engine(registry)
+
+    return lifespan
+
+
 def create_app(
     models: EngineClient | Sequence[ServedModel],
     *,
@@ -79,44 +127,15 @@ def create_app(
     config = config or ServerConfig()
     served = list(models) if isinstance(models, Sequence) else [ServedModel(models)]
     registry = ModelRegistry(served, config)
-    created = int(time.time())
-    model_cards = [
-        ModelCard(
-            id=name, created=created, owned_by=OWNED_BY, max_model_len=entry.engine.max_model_len
-        )
-        for entry in registry.entries
-        for name in entry.names
-    ]
     metrics = Metrics([entry.engine for entry in registry.entries])
     drain = drain or Drain()
     mcp = McpClients(config.mcp_servers, config.mcp_timeout_s, config.mcp_max_output_bytes)
-
-    @asynccontextmanager
-    async def mcp_lifespan(_: Litestar) -> AsyncIterator[None]:
-        await mcp.connect()
-        try:
-            yield
-        finally:
-            await mcp.close()
-
-    @asynccontextmanager
-    async def engine_lifespan(_: Litestar) -> AsyncIterator[None]:
-        try:
-            for entry in registry.entries:
-                logger.info("starting engine for %s", entry.name)
-                await asyncio.to_thread(entry.engine.start)
-                logger.info(
-                    "engine ready: %s (max_model_len=%d)", entry.name, entry.engine.max_model_len
-                )
-            yield
-        finally:
-            logger.info("shutting down engines: %s", ", ".join(e.name for e in registry.entries))
-            await drain.shutdown_engine(registry)
-
     return Litestar(
         route_handlers=[*ROUTE_HANDLERS, *ui_route_handlers(config.ui)],
-        lifespan=[mcp_lifespan, engine_lifespan],
-        dependencies=provide_dependencies(registry, model_cards, metrics, mcp, ResponseStore()),
+        lifespan=[_mcp_lifespan(mcp), _engine_lifespan(registry, drain)],
+        dependencies=provide_dependencies(
+            registry, _model_cards(registry), metrics, mcp, ResponseStore()
+        ),
         exception_handlers={**exception_handlers(), EngineOverloadedError: _overloaded},
         middleware=[DrainMiddleware(drain)],
         state=State({"drain": drain, "mcp": mcp, "models": registry}),

@@ -26,6 +26,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ def _timed(fn, rounds: int, calls: int) -> list[float]:
     return out
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-id", default="smollm2-135m-instruct")
     parser.add_argument("--formats", default="float,packed,int8")
@@ -73,12 +74,11 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--native", choices=("on", "off", "both"), default="on")
-    args = parser.parse_args()
-    formats = args.formats.split(",")
-    for name in formats:
-        if _kind(name) not in ("float", "packed", *ISQ_CHOICES):
-            print(f"bench_decode_step: unknown format {name!r}", file=sys.stderr)
-            return 2
+    return parser.parse_args()
+
+
+def _load_models(args: argparse.Namespace, formats: list[str]) -> tuple[Any, Any, Any, dict]:
+    """The spec, config and dtype, and per format (and native setting) a config and weights."""
     checkpoint = load_checkpoint(resolve_model_source(args.model_id, None))
     spec, base = model_config_from_hf(checkpoint.config)
     dtype = resolve_dtype(args.dtype)
@@ -97,6 +97,36 @@ def main() -> int:
             tensors = checkpoint.tensors(packed=kind != "float")
             label = f"{name}+native" if native and args.native == "both" else name
             models[label] = (config, spec.load(config, tensors, dtype, checkpoint.num_tensors))
+    return spec, base, dtype, models
+
+
+def _compiled_steps(spec: Any, models: dict, batch: Any, cache: Any) -> dict[str, Any]:
+    """Per model, a warmed-up call of its jitted step on ``batch`` (each with its own cache)."""
+    steps = {}
+    for name, (config, weights) in models.items():
+        step = jax.jit(
+            lambda w, c, config=config, batch=batch: spec.forward(config, w, c, batch),
+            donate_argnums=(1,),
+        )
+        state = {"cache": jax.tree.map(jnp.copy, cache)}
+
+        def run(step=step, weights=weights, state=state):
+            logits, state["cache"] = step(weights, state["cache"])
+            return logits
+
+        jax.block_until_ready(run())
+        steps[name] = run
+    return steps
+
+
+def main() -> int:
+    args = _parse_args()
+    formats = args.formats.split(",")
+    for name in formats:
+        if _kind(name) not in ("float", "packed", *ISQ_CHOICES):
+            print(f"bench_decode_step: unknown format {name!r}", file=sys.stderr)
+            return 2
+    spec, base, dtype, models = _load_models(args, formats)
     print(f"{args.model_id}: step ms ({jax.default_backend()})")
     shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
     shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
@@ -112,20 +142,7 @@ def main() -> int:
             kv_lens=jnp.full((num_seqs,), context + q_len, jnp.int32),
             page_indices=jnp.arange(num_seqs * pages, dtype=jnp.int32).reshape(num_seqs, pages),
         )
-        steps = {}
-        for name, (config, weights) in models.items():
-            step = jax.jit(
-                lambda w, c, config=config, batch=batch: spec.forward(config, w, c, batch),
-                donate_argnums=(1,),
-            )
-            state = {"cache": KVCache.zeros(k_shape, dtype, v_shape)}
-
-            def run(step=step, weights=weights, state=state):
-                logits, state["cache"] = step(weights, state["cache"])
-                return logits
-
-            jax.block_until_ready(run())
-            steps[name] = run
+        steps = _compiled_steps(spec, models, batch, KVCache.zeros(k_shape, dtype, v_shape))
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, run in steps.items():

@@ -219,6 +219,14 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    _add_batch_flags(group)
+    _add_numerics_flags(group)
+    _add_device_flags(group)
+    _add_prefix_cache_flags(group)
+
+
+def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
+    """How many sequences run and wait, how long they may be, and the paged KV cache's size."""
     add = group.add_argument
     add(
         "--max-num-seqs",
@@ -264,6 +272,11 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="most prompt tokens one step prefills for one sequence; 0 = no chunking, each "
         "prompt in one step (default: %(default)s)",
     )
+
+
+def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
+    """How weights, the KV cache and the matmuls' operands are stored and computed; decode steps; the seed."""
+    add = group.add_argument
     add(
         "--isq",
         choices=ISQ_CHOICES,
@@ -315,6 +328,11 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         default=0,
         help="seed of the engine's sampling random stream (default: %(default)s)",
     )
+
+
+def _add_device_flags(group: argparse._ArgumentGroup) -> None:
+    """Which devices run the model, and how it is split over them (tensor, data and expert parallelism)."""
+    add = group.add_argument
     add(
         "--cpu",
         dest="device",
@@ -373,6 +391,11 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "when a token of the step chose one; for MoE models larger than device memory; N must "
         "be below the experts per device (default: %(default)s, every expert on the device)",
     )
+
+
+def _add_prefix_cache_flags(group: argparse._ArgumentGroup) -> None:
+    """The prefix cache, and a debugging aid for the pages' reuse."""
+    add = group.add_argument
     add(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,

@@ -72,25 +72,7 @@ _SAMPLING_FLAGS: tuple[tuple[tuple[str, ...], Any, str, str], ...] = (
 def add_service_flags(parser: argparse.ArgumentParser) -> None:
     """The ``service`` and ``sampling defaults`` flag groups."""
     add = parser.add_argument_group("service").add_argument
-    add(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize "
-        f"(default: ${API_KEY_ENV}, else no key)",
-    )
-    add(
-        "--allowed-origins",
-        action="append",
-        default=[],
-        metavar="ORIGINS",
-        help="enable CORS for these origins (comma list, repeatable; '*' for any); default: off",
-    )
-    add(
-        "--strict-model-names",
-        action="store_true",
-        help="a request naming no served model is a 404; by default a server of one model "
-        "answers any name with it, as candle-vllm and llama.cpp do (--models-config is strict)",
-    )
+    _add_access_flags(add)
     add("--max-n", type=int, default=DEFAULT_MAX_N, help="largest `n` (default: %(default)s)")
     add(
         "--max-completion-tokens-cap",
@@ -121,6 +103,11 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     )
     _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
     add_ui_flags(parser)
+    _add_sampling_default_flags(parser)
+
+
+def _add_sampling_default_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``sampling defaults`` group: a value for each field a request may omit."""
     group = parser.add_argument_group(
         "sampling defaults",
         "used when a request omits the field; they win over the model's generation_config",
@@ -138,6 +125,29 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help="default enable_thinking of chat templates that read it (Qwen3 and the like) for "
         "requests that do not set thinking themselves; bare --thinking = true "
         "(default: the template's own)",
+    )
+
+
+def _add_access_flags(add: Any) -> None:
+    """Who may call the API, from which origins, and under which model names."""
+    add(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+    add(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="enable CORS for these origins (comma list, repeatable; '*' for any); default: off",
+    )
+    add(
+        "--strict-model-names",
+        action="store_true",
+        help="a request naming no served model is a 404; by default a server of one model "
+        "answers any name with it, as candle-vllm and llama.cpp do (--models-config is strict)",
     )
 
 

@@ -21,6 +21,26 @@ from jax_llm_runtime.pallas_kernels.paged_attention import kernel, native, refer
 IMPLS = ("auto", "pallas", "reference", "native", "cpu")
 
 
+def implementation(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> str:
+    """Which implementation ``attention(impl=...)`` runs for these operands on this backend:
+    "pallas", "native" or "reference" (see the module docstring for the rules)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "pallas" or (impl == "auto" and backend == "gpu"):
+        return "pallas"
+    measured = impl == "cpu" and cpu_choice.native_wins(
+        "paged_attention", cpu_choice.attention_class(q.shape[1])
+    )
+    run_native = (
+        (impl == "native" or measured)
+        and backend == "cpu"
+        and native.available()
+        and native.supports(q, k_cache, v_cache)
+    )
+    return "native" if run_native else "reference"
+
+
 def attention(
     q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
@@ -45,10 +65,8 @@ def attention(
     reference path folds them into ``scale`` and the output, which is the same arithmetic.
     ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    if impl == "pallas" or (impl == "auto" and backend == "gpu"):
+    chosen = implementation(impl, q, k_cache, v_cache)
+    if chosen == "pallas":
         return kernel.paged_attention(
             q,
             k_cache,
@@ -64,18 +82,9 @@ def attention(
             v_scale=v_scale,
             k_scales=k_scales,
             v_scales=v_scales,
-            interpret=backend == "cpu",
+            interpret=jax.default_backend() == "cpu",
         )
-    measured = impl == "cpu" and cpu_choice.native_wins(
-        "paged_attention", cpu_choice.attention_class(q.shape[1])
-    )
-    run_native = (
-        (impl == "native" or measured)
-        and backend == "cpu"
-        and native.available()
-        and native.supports(q, k_cache, v_cache)
-    )
-    out = (native.paged_attention if run_native else reference.paged_attention)(
+    out = (native.paged_attention if chosen == "native" else reference.paged_attention)(
         q,
         k_cache,
         v_cache,

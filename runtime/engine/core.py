@@ -403,7 +403,12 @@ class Engine:
             return
         if out.finish_reason is not None:
             del self._streams[request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:  # the caller's event loop has closed: nobody reads this stream
+            self._streams.pop(request_id, None)
+            if out.finish_reason is None:
+                self._post("abort", request_id)
 
     # -- admission -----------------------------------------------------------------------------
     def num_unfinished(self) -> int:

@@ -136,34 +136,11 @@ def _build_replica(
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
-        attention = model_config.attention
-        check_divisible(
-            attention.num_heads,
-            model_config.num_kv_heads,
-            mesh.size,
-            is_mla=not hasattr(attention, "num_kv_heads"),
-        )
-        weights = shard_weights(weights, mesh, config.expert_parallel)
-        logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
+        weights = _split_over(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
-    num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
-    capacity = num_pages * config.page_size
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
-    if max_model_len < 16:
-        raise ValueError(
-            f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
-        )
-    logger.info(
-        "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",
-        num_pages,
-        config.page_size,
-        kv_dtype.name,
-        num_pages * page_bytes / 2**20,
-        max_model_len,
-    )
+    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None
     if mesh is not None:
@@ -208,6 +185,41 @@ def _build_replica(
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
+
+
+def _split_over(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
+    """The weights placed on the tensor-parallel mesh (heads must divide over its devices)."""
+    attention = model_config.attention
+    check_divisible(
+        attention.num_heads,
+        model_config.num_kv_heads,
+        mesh.size,
+        is_mla=not hasattr(attention, "num_kv_heads"),
+    )
+    weights = shard_weights(weights, mesh, expert_parallel)
+    logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
+    return weights
+
+
+def _size_cache(config: EngineConfig, model_config: Any, kv_dtype: Any) -> tuple[int, int]:
+    """The KV cache's page count for ``--kvcache-mem``, and ``max_model_len`` capped by it."""
+    page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
+    num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
+    capacity = num_pages * config.page_size
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
+    if max_model_len < 16:
+        raise ValueError(
+            f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
+        )
+    logger.info(
+        "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",
+        num_pages,
+        config.page_size,
+        kv_dtype.name,
+        num_pages * page_bytes / 2**20,
+        max_model_len,
+    )
+    return num_pages, max_model_len
 
 
 def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:

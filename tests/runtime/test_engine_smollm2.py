@@ -189,6 +189,25 @@ def test_stop_strings_end_the_sequence_in_the_engine(engine):
     assert sched.allocator.num_free == sched.allocator.num_pages
 
 
+def test_a_stream_whose_event_loop_closed_is_aborted_and_the_engine_serves_on(engine):
+    """A caller that reads one delta and lets its event loop end without closing the stream (a
+    script calling asyncio.run per request) must not stop the engine's loop thread."""
+    ids = chat_ids(engine, PROMPTS[1])
+
+    async def first_delta():
+        stream = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=24), "left")
+        return await anext(stream)
+
+    assert asyncio.run(first_delta()).finish_reason is None
+    sched = engine.scheduler
+    for _ in range(500):
+        if sched.allocator.num_free == sched.allocator.num_pages:
+            break
+        time.sleep(0.01)
+    assert engine.healthy() and sched.allocator.num_free == sched.allocator.num_pages
+    assert len(asyncio.run(collect(engine, ids, "after", max_tokens=4))) == 4
+
+
 async def collect_n(engine, ids: list[int], sampling: SamplingParams, n: int) -> list[list[int]]:
     async def one(stream) -> list[int]:
         out: list[int] = []
