@@ -7,29 +7,24 @@ over whole where native CPU kernels may run (``models.decoder``).
 ``QuantizedWeight`` is int8 weight-only quantization with one float32 scale per output channel
 (symmetric, round to nearest): ``w ~= q * scale``. XLA:CPU widens int8 to the compute dtype in a
 separate pass before the dot; for a layer's projections the widened copy stays in cache, so a
-step reads a quarter of the float32 bytes from memory (measured: a SmolLM2 decode step 28.7 ->
-19.6 ms). A very wide weight spills that copy to memory and is slower than float32: an int8
-49k-vocabulary LM head made the same step 68 ms, and column blocks of it did not help; so the LM
-head is not quantized.
+step reads a quarter of the float32 bytes, but a very wide weight spills it and is slower than
+float32, so the LM head is not quantized (BENCHMARKS.md has the figures).
 
-Both kinds carry an ``operand_dtype`` (``--matmul-dtype``): with "bfloat16" the activations are
-rounded to bfloat16 and the products summed in float32. XLA:CPU's bfloat16 dot runs at 1.7x the
-float32 speed for many rows (tools/bench_decode_step.py, BENCHMARKS.md: prefill 128 tokens
-196 -> 123 ms; a 16-sequence decode step 64.6 -> 56.3 ms); the rounding costs far less than the quantization did (llama.cpp rounds the
-activations to 8-bit blocks for the same products; perplexity moves by 0.03%), but it moves
-logits by ~1%, so a request's tokens may then depend on what it is batched with. A single row
-(one sequence decoding alone) keeps the activations' dtype: it is bound by reading the weights,
-and the rounding made a served single-stream step ~25% slower. None (the default) multiplies in
-the activations' own dtype everywhere, which keeps every request's tokens independent of its
-batch.
+Both kinds carry an ``operand_dtype`` (``--matmul-dtype``):
 
-"int8" rounds the activations to int8 blocks of 32 values with one float32 scale each
-(``reference.quantize_activations``, llama.cpp's rounding for its quantized dot products), a
-single row too: each row's rounding and integer sums are its own, so a request's tokens do not
-depend on its batch (``tests/runtime/test_sampling_smollm2.py``). Packed weights then multiply in
-the native CPU kernel's integer dots for any number of rows, and the packed LM head too; elsewhere
-(other backends, ``QuantizedWeight``) the rounded values multiply in float32, which gives the
-same numbers more slowly.
+- None (the default) multiplies in the activations' own dtype everywhere, which keeps every
+  request's tokens independent of its batch.
+- "bfloat16" rounds the activations to bfloat16 and sums the products in float32, faster for
+  many rows on CPUs with bfloat16 dots; it moves logits by ~1%, so a request's tokens may then
+  depend on what it is batched with. A single row (one sequence decoding alone) keeps the
+  activations' dtype: it is bound by reading the weights, and the rounding only slowed it.
+- "int8" rounds the activations to int8 blocks of 32 values with one float32 scale each
+  (``reference.quantize_activations``, llama.cpp's rounding for its quantized dot products), a
+  single row too: each row's rounding and integer sums are its own, so a request's tokens do not
+  depend on its batch (``tests/runtime/test_sampling_smollm2.py``). Packed weights then multiply
+  in the native CPU kernel's integer dots for any number of rows, and the packed LM head too;
+  elsewhere (other backends, ``QuantizedWeight``) the rounded values multiply in float32, which
+  gives the same numbers more slowly.
 """
 
 from __future__ import annotations
