@@ -53,12 +53,12 @@ from jax_llm_runtime.models.layers.mlp import check_activation, dense_mlp
 from jax_llm_runtime.models.layers.moe import MoEConfig, moe_mlp, moe_weight_shapes
 from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
 from jax_llm_runtime.models.weights import Packing, WeightRule, load_host_weights
-from jax_llm_runtime.pallas_kernels import cpu_choice
 from jax_llm_runtime.pallas_kernels.dequant_matmul import (
     HostPacked,
     PackedLayer,
     PackedWeight,
     dequant_matmul,
+    packed_head,
 )
 from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, kv_cache_shape
@@ -316,16 +316,8 @@ def _keep_packed_head(
 
 
 def _packed_head_for(cfg: DecoderConfig, rows: int) -> bool:
-    """Whether a packed LM head takes a call of ``rows`` rows, by the measured verdicts: one row
-    where the kernel wins one row; more where it wins the large class too, or where there is no
-    float head to use instead (an untied head is kept one way only). int8 activations take one
-    path for every row count, so that a request's tokens do not depend on its batch."""
-    one_row = cpu_choice.native_wins("dequant_matmul", "one_row")
-    large = cpu_choice.native_wins("dequant_matmul", "large")
-    both = one_row and large
-    if rows == 1 and cfg.tie_word_embeddings and cfg.operand_dtype != "int8":
-        return one_row
-    return both
+    """Whether the packed LM head takes a call of ``rows`` rows (``dequant_matmul.packed_head``)."""
+    return packed_head(rows, cfg.tie_word_embeddings, cfg.operand_dtype == "int8")
 
 
 def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
@@ -456,7 +448,7 @@ def lm_head(
         not cfg.tie_word_embeddings or _packed_head_for(cfg, rows)
     ):
         int8 = int8_operands(h, cfg.operand_dtype)
-        logits = dequant_matmul(h, head, impl="native", int8_activations=int8)
+        logits = dequant_matmul(h, head, native=True, int8_activations=int8)
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
     elif cfg.tie_word_embeddings:

@@ -150,9 +150,8 @@ def paged_self_attention(
 ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
     """Attention for one layer; this step's K/V are written to their pages before attending.
 
-    ``native`` (``DecoderConfig.native_kernels``) attends with the native CPU kernel where it is
-    available and was measured faster on this CPU (``impl="cpu"``), else with the pure-jnp
-    reference.
+    ``native`` (``DecoderConfig.native_kernels``): native CPU kernels may run where this step runs;
+    the op picks the implementation (``pallas_kernels.paged_attention.ops.implementation``).
     """
     q, k, v = project_qkv(cfg, x, lw, batch.positions, meta)
     cache = write_cache(cache, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices)
@@ -169,6 +168,6 @@ def paged_self_attention(
         soft_cap=cfg.soft_cap,
         k_scales=cache.k_scales,
         v_scales=cache.v_scales,
-        impl="cpu" if native else "reference",
+        native=native,
     )
     return output_projection(cfg, out, lw), cache

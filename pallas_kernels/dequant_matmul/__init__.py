@@ -12,7 +12,14 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import (
     PackedLayer,
     PackedWeight,
 )
-from jax_llm_runtime.pallas_kernels.dequant_matmul.ops import dequant_matmul
+from jax_llm_runtime.pallas_kernels.dequant_matmul.ops import dequant_matmul, packed_head
 from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import dequantize
 
-__all__ = ["HostPacked", "PackedLayer", "PackedWeight", "dequant_matmul", "dequantize"]
+__all__ = [
+    "HostPacked",
+    "PackedLayer",
+    "PackedWeight",
+    "dequant_matmul",
+    "dequantize",
+    "packed_head",
+]

@@ -1,10 +1,12 @@
-"""``dequant_matmul``: one entry point that picks the native CPU kernel, the Pallas kernel or the
-reference.
+"""``dequant_matmul``: one entry point; ``implementation`` decides whether the native CPU kernel,
+the Pallas kernel or the reference runs it, and ``packed_head`` whether a packed LM head pays.
 
-``impl="auto"``:
+Models call it with ``impl="auto"`` and say whether native kernels may run where the step runs
+(``native``; a ``PackedLayer`` implies it). Then:
 
 - a ``PackedLayer`` (one layer of a stack; the decoder hands its layer scans' weights over this
-  way only where native kernels may run: the CPU backend without a device mesh) goes to the
+  way only where native kernels may run: the CPU backend without a device mesh), or any weight
+  with ``native``, goes to the
   native CPU kernel (``native.py``) when it is built, reads the weight's format, and the call has
   at most ``NATIVE_MAX_TOKENS`` rows (``NATIVE_MAX_TOKENS_LARGE`` for a matrix too large to stay
   in cache): it unpacks the weight in registers instead of writing its float32 matrix, and
@@ -21,8 +23,7 @@ With ``int8_activations`` (``--matmul-dtype int8``) the native kernel takes a ca
 number of rows (its integer dots outrun XLA's float dot there too); every other path multiplies
 ``reference.quantize_activations(x)``, the same rounded values, in float32.
 
-``impl="native"`` applies the native kernel's rule above to a plain ``PackedWeight`` as well
-(the LM head, outside the layer scan); ``impl="pallas"`` always runs the Pallas kernel
+``impl="native"`` (tests and tools) is ``native=True``; ``impl="pallas"`` always runs the Pallas kernel
 (interpreted on CPU); ``impl="reference"`` the reference. On XLA:CPU the reference is the fastest
 XLA formulation measured (BENCHMARKS.md, "Quantized weights"): dequantize the matrix, then one
 dot.
@@ -33,7 +34,8 @@ from __future__ import annotations
 import jax
 
 from jax_llm_runtime.pallas_kernels import cpu_choice
-from jax_llm_runtime.pallas_kernels.dequant_matmul import kernel, native, reference
+from jax_llm_runtime.pallas_kernels.dequant_matmul import kernel, reference
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_kernel
 from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PackedLayer, PackedWeight
 
 IMPLS = ("auto", "native", "pallas", "reference")
@@ -54,27 +56,59 @@ def dequant_matmul(
     *,
     impl: str = "auto",
     int8_activations: bool = False,
+    native: bool = False,
 ) -> jax.Array:  # [..., out] float32
     """``x @ dequantize(w)`` accumulated in float32, on the chosen implementation; with
-    ``int8_activations``, ``reference.quantize_activations(x) @ dequantize(w)``."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    ``int8_activations``, ``reference.quantize_activations(x) @ dequantize(w)``. ``native``:
+    native CPU kernels may run where this step runs (see the module docstring)."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    backend = jax.default_backend()
-    wants_native = impl == "native" or (impl == "auto" and isinstance(w, PackedLayer))
-    if wants_native and _native_runs(flat, w, backend, int8_activations):
+    chosen = implementation(impl, flat, w, int8_activations, native)
+    if chosen == "native":
         stack, index = (w.stack, w.index) if isinstance(w, PackedLayer) else (w, None)
-        out = native.dequant_matmul(flat, stack, index, int8_activations=int8_activations)
+        out = native_kernel.dequant_matmul(flat, stack, index, int8_activations=int8_activations)
     else:
         if int8_activations:
             flat = reference.quantize_activations(flat)
         matrix = w.matrix() if isinstance(w, PackedLayer) else w
-        if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
-            out = kernel.dequant_matmul(flat, matrix, interpret=backend == "cpu")
+        if chosen == "pallas":
+            out = kernel.dequant_matmul(flat, matrix, interpret=jax.default_backend() == "cpu")
         else:
             out = reference.dequant_matmul(flat, matrix)
     return out.reshape(*lead, out.shape[-1])
+
+
+def implementation(
+    impl: str,
+    x: jax.Array,  # [rows, in]
+    w: PackedWeight | PackedLayer,
+    int8_activations: bool = False,
+    native: bool = False,
+) -> str:
+    """Which implementation runs this call on this backend: "native", "pallas" or "reference"
+    (see the module docstring for the rules)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    wants_native = impl == "native" or (impl == "auto" and (native or isinstance(w, PackedLayer)))
+    if wants_native and _native_runs(x, w, backend, int8_activations):
+        return "native"
+    if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
+        return "pallas"
+    return "reference"
+
+
+def packed_head(rows: int, tied: bool, int8_activations: bool) -> bool:
+    """Whether a packed LM head (where native kernels may run) takes a call of ``rows`` rows, by
+    the measured verdicts: one row where the kernel wins one row; more where it wins the large
+    class too, or where there is no float head to use instead (an untied head is kept one way
+    only). int8 activations take one path for every row count, so that a request's tokens do not
+    depend on its batch."""
+    one_row = cpu_choice.native_wins("dequant_matmul", "one_row")
+    large = cpu_choice.native_wins("dequant_matmul", "large")
+    if rows == 1 and tied and not int8_activations:
+        return one_row
+    return one_row and large
 
 
 def _native_runs(
@@ -94,6 +128,6 @@ def _native_runs(
                 and cpu_choice.native_wins("dequant_matmul", cpu_choice.dequant_class(rows, large))
             )
         )
-        and native.supports(x, stack)
-        and native.available()
+        and native_kernel.supports(x, stack)
+        and native_kernel.available()
     )

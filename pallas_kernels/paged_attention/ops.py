@@ -1,14 +1,20 @@
-"""``attention``: one paged-attention entry point that picks an implementation.
+"""``attention``: one paged-attention entry point; ``implementation`` decides what runs it.
 
-``impl="auto"`` runs the Pallas kernel on GPU and the pure-jnp reference elsewhere. TPU stays on
-the reference because this kernel gathers K/V rows straight from HBM, which Mosaic TPU does not
-lower (see README.md). ``impl="pallas"`` always runs the kernel, interpreted on CPU;
-``impl="reference"`` always runs the reference. ``impl="native"`` runs the native CPU kernel
-(``native.py``) on CPU when it is built and reads the cache's dtype, else the reference;
-``impl="cpu"`` does the same where ``cpu_choice.native_wins`` says the kernel was measured faster
-than the reference on this CPU for the call's class (decode or prefill), else runs the
-reference. Only a caller that knows the step is not split over a device mesh asks for either
-(XLA's partitioner does not split a custom call).
+Models call ``attention`` with ``impl="auto"`` and say whether native kernels may run where the
+step runs (``native``: the CPU backend with the step on one device, since XLA's partitioner does
+not split a custom call). ``implementation`` then picks, for the backend and the call's shapes:
+
+- with ``native``: the native CPU kernel (``native.py``) where it is built, reads the cache's
+  dtype and was measured faster than the reference on this CPU for the call's class (decode or
+  prefill; ``cpu_choice.native_wins``), else the reference;
+- otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
+  elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
+  device (the GPU tests; none has run them yet). TPU needs a kernel of its own: this one
+  gathers K/V rows straight from HBM, which Mosaic TPU does not lower (see README.md).
+
+Tests and tools force one: ``impl="pallas"`` (interpreted on CPU), ``"reference"``, ``"native"``
+(the native kernel wherever it is built and reads the dtype, measured or not) or ``"cpu"`` (the
+measured rule of ``native``).
 """
 
 from __future__ import annotations
@@ -16,18 +22,24 @@ from __future__ import annotations
 import jax
 
 from jax_llm_runtime.pallas_kernels import cpu_choice
-from jax_llm_runtime.pallas_kernels.paged_attention import kernel, native, reference
+from jax_llm_runtime.pallas_kernels.paged_attention import kernel, reference
+from jax_llm_runtime.pallas_kernels.paged_attention import native as native_kernel
 
 IMPLS = ("auto", "pallas", "reference", "native", "cpu")
+KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a device run of the kernel is recorded
 
 
-def implementation(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> str:
-    """Which implementation ``attention(impl=...)`` runs for these operands on this backend:
-    "pallas", "native" or "reference" (see the module docstring for the rules)."""
+def implementation(
+    impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, native_ok: bool = False
+) -> str:
+    """Which implementation runs this call on this backend: "pallas", "native" or "reference"
+    (see the module docstring for the rules)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = jax.default_backend()
-    if impl == "pallas" or (impl == "auto" and backend == "gpu"):
+    if impl == "auto" and native_ok:
+        impl = "cpu"
+    if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
         return "pallas"
     measured = impl == "cpu" and cpu_choice.native_wins(
         "paged_attention", cpu_choice.attention_class(q.shape[1])
@@ -35,8 +47,8 @@ def implementation(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     run_native = (
         (impl == "native" or measured)
         and backend == "cpu"
-        and native.available()
-        and native.supports(q, k_cache, v_cache)
+        and native_kernel.available()
+        and native_kernel.supports(q, k_cache, v_cache)
     )
     return "native" if run_native else "reference"
 
@@ -58,14 +70,16 @@ def attention(
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     impl: str = "auto",
+    native: bool = False,
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Paged attention with ``reference.paged_attention``'s contract, on the chosen implementation.
 
     ``k_scale`` and ``v_scale`` dequantise a float8 cache (``k * k_scale``, ``v * v_scale``); the
     reference path folds them into ``scale`` and the output, which is the same arithmetic.
-    ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8.
+    ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8. ``native``:
+    native CPU kernels may run where this step runs (see the module docstring).
     """
-    chosen = implementation(impl, q, k_cache, v_cache)
+    chosen = implementation(impl, q, k_cache, v_cache, native)
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -84,7 +98,7 @@ def attention(
             v_scales=v_scales,
             interpret=jax.default_backend() == "cpu",
         )
-    out = (native.paged_attention if chosen == "native" else reference.paged_attention)(
+    out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
         q,
         k_cache,
         v_cache,
