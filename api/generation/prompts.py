@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 from jax_llm_runtime.api.protocol.bodies import (
+    MAX_BATCH_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -122,27 +123,46 @@ async def check_token_ids(
         raise bad_request(f"Invalid token id in `{param}`: {exc}", param=param, code=code) from None
 
 
-async def completion_prompt_ids(tokenizer: TokenizerLike, body: CompletionRequest) -> list[int]:
-    """Text is encoded with special tokens (BOS); a list of ints is used as token ids as-is,
-    once checked against the vocabulary.
+async def completion_prompts(
+    tokenizer: TokenizerLike, body: CompletionRequest
+) -> list[tuple[list[int], str | None]]:
+    """Each prompt of the request as token ids, with its text (None for token ids).
 
-    A list holding several prompts (batched completions) is a 400: send one prompt per request.
+    ``prompt`` is one text (encoded with special tokens, BOS included), one list of token ids
+    (used as they are, once checked against the vocabulary), or a batch of either: a list of
+    texts or a list of token id lists, at most ``MAX_BATCH_PROMPTS``. Anything else is a 400.
     """
     prompt = body.prompt
+    if isinstance(prompt, str):
+        batch: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        batch = [list(prompt)]  # type: ignore[arg-type]
+    elif prompt and (
+        all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)
+    ):
+        batch = list(prompt)  # type: ignore[arg-type]
+    else:
+        raise bad_request(
+            "`prompt` must be a string, a list of token ids, a list of strings or a list of "
+            "token id lists.",
+            param="prompt",
+        )
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise bad_request(
+            f"`prompt` holds {len(batch)} prompts; at most {MAX_BATCH_PROMPTS} per request.",
+            param="prompt",
+        )
+    return [(await _one_prompt_ids(tokenizer, p), p if isinstance(p, str) else None) for p in batch]
+
+
+async def _one_prompt_ids(tokenizer: TokenizerLike, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
-        if prompt and all(isinstance(p, int) for p in prompt):
-            if any(p < 0 for p in prompt):  # type: ignore[operator]
-                raise bad_request("Token ids in `prompt` must be >= 0.", param="prompt")
-            token_ids: list[int] = list(prompt)  # type: ignore[arg-type]
-            await check_token_ids(tokenizer, token_ids, "prompt", "invalid_prompt")
-            return token_ids
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise bad_request(
-                "`prompt` must be a string, a list of token ids, or a list holding one string; "
-                "batched prompts are not supported yet.",
-                param="prompt",
-            )
-        prompt = prompt[0]
+        if not prompt:
+            raise bad_request("`prompt` must not hold an empty list of token ids.", param="prompt")
+        if any(p < 0 for p in prompt):
+            raise bad_request("Token ids in `prompt` must be >= 0.", param="prompt")
+        await check_token_ids(tokenizer, prompt, "prompt", "invalid_prompt")
+        return prompt
     if not prompt:
         raise bad_request("`prompt` must not be empty.", param="prompt")
     try:

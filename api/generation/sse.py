@@ -76,14 +76,14 @@ def _event(data: msgspec.Struct | str) -> ServerSentEventMessage:
 
 
 async def _events(
-    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool
+    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool, per_prompt: int | None
 ) -> AsyncGenerator[ServerSentEventMessage, None]:
     try:
         for _, chunks in choices:
             opening = chunks.opening()
             if opening is not None:
                 yield _event(opening)
-        usages: list[Usage] = []
+        usages: dict[int, Usage] = {}
         async for index, piece in _merge([generation.pieces() for generation, _ in choices]):
             chunks = choices[index][1]
             if piece.reasoning:
@@ -94,9 +94,10 @@ async def _events(
                 yield _event(chunks.tool_calls([call.openai() for call in piece.tool_calls]))
             if piece.finish_reason is not None:
                 yield _event(chunks.finish(piece.finish_reason))
-                usages.append(piece.usage)
+                usages[index] = piece.usage
         if include_usage:
-            yield _event(choices[0][1].usage(merge_usage(usages)))
+            ordered = [usages[i] for i in sorted(usages)]
+            yield _event(choices[0][1].usage(merge_usage(ordered, per_prompt)))
     except APIError as exc:
         yield _event(exc.body())
     except Exception as exc:  # the stream is the only channel left to tell the client
@@ -143,10 +144,11 @@ async def _merge(
 
 
 def sse_response(
-    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool
+    choices: list[tuple[Pieces, ChunkFactory]], include_usage: bool, per_prompt: int | None = None
 ) -> ServerSentEvent:
-    """A ``text/event-stream`` response streaming each choice's pieces through its chunk factory."""
-    events = _events(choices, include_usage)
+    """A ``text/event-stream`` response streaming each choice's pieces through its chunk factory
+    (``per_prompt``: choices per prompt of a batch, for the usage; see ``merge_usage``)."""
+    events = _events(choices, include_usage, per_prompt)
     return ClosingServerSentEvent(events, close=events.aclose)
 
 

@@ -212,17 +212,22 @@ async def collect_all(choices: list[Any]) -> list[TextPiece]:
     return list(await asyncio.gather(*(choice.collect() for choice in choices)))
 
 
-def merge_usage(usages: list[Usage]) -> Usage:
-    """One usage for ``n`` completions of one prompt: the prompt counts once."""
-    first = usages[0]
+def merge_usage(usages: list[Usage], per_prompt: int | None = None) -> Usage:
+    """One usage for the completions of a response, in choice order: each run of ``per_prompt``
+    choices (all of them when None: ``n`` completions of one prompt) shares one prompt, which
+    counts once."""
+    per_prompt = per_prompt or len(usages)
+    firsts = usages[::per_prompt]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages)
     reasoning = sum(u.completion_tokens_details.reasoning_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in firsts)
     return Usage(
-        prompt_tokens=first.prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=first.prompt_tokens + completion,
-        prompt_tokens_details=first.prompt_tokens_details,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
-        prompt_time_costs=first.prompt_time_costs,
+        prompt_time_costs=max(u.prompt_time_costs for u in firsts),
         completion_time_costs=max(u.completion_time_costs for u in usages),
     )

@@ -27,6 +27,7 @@ from jax_llm_runtime.runtime.engine.request import (
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_MESSAGES = 2048
+MAX_BATCH_PROMPTS = 128  # prompts in one /v1/completions batch
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -182,9 +183,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
 
 
 class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    """POST /v1/completions. ``prompt`` is text, token ids, or a list holding one text."""
+    """POST /v1/completions. ``prompt`` is text, token ids, or a batch: a list of texts or a list
+    of token id lists (each prompt gets its own ``n`` choices, indexed prompt by prompt)."""
 
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     logprobs: TopLogprobs | None = None  # OpenAI allows 0..5
     # Accepted only at their defaults.
     echo: bool | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,9 +15,15 @@ from jax_llm_runtime.api.generation.logprobs import (
     concat_logprobs,
     echo_logprobs,
 )
-from jax_llm_runtime.api.generation.prompts import completion_prompt_ids
+from jax_llm_runtime.api.generation.prompts import completion_prompts
 from jax_llm_runtime.api.generation.sse import sse_response
-from jax_llm_runtime.api.generation.stream import collect_all, merge_usage, start_generation
+from jax_llm_runtime.api.generation.stream import (
+    Generation,
+    TextPiece,
+    collect_all,
+    merge_usage,
+    start_generation,
+)
 from jax_llm_runtime.api.protocol.bodies import (
     Completion,
     CompletionChoice,
@@ -39,7 +46,7 @@ from jax_llm_runtime.api.service.dependencies import ModelsDep
 from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
 from jax_llm_runtime.api.service.metrics import Metrics
 from jax_llm_runtime.runtime.engine.interface import EngineClient, TokenizerLike
-from jax_llm_runtime.runtime.engine.request import TokenLogprobs
+from jax_llm_runtime.runtime.engine.request import SamplingParams, TokenLogprobs
 
 # OpenAI's legacy completions default, unlike chat, which may use the whole remaining context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -101,12 +108,14 @@ class Echo:
 
 
 async def _echo(
-    engine: EngineClient, body: CompletionRequest, prompt_ids: list[int], logprobs: int | None
+    engine: EngineClient,
+    body: CompletionRequest,
+    prompt_ids: list[int],
+    text: str | None,
+    logprobs: int | None,
 ) -> Echo | None:
     if not body.echo:
         return None
-    prompt = body.prompt
-    text = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else None
     if text is None:  # token ids: show what they decode to
         text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
     if logprobs is None:
@@ -120,6 +129,62 @@ async def _echo(
     return Echo(text, echo_logprobs(engine.tokenizer, prompt_ids, scored))
 
 
+@dataclass
+class _Prompt:
+    """One prompt of the request, ready to submit: its ids, sampling and echo."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    echo: Echo | None = None
+
+
+async def _prepare(
+    served: Any, body: CompletionRequest, prompts: list[tuple[list[int], str | None]]
+) -> list[_Prompt]:
+    """Every prompt's sampling (its own budget) and echo, before anything is submitted."""
+    engine, config = served.engine, served.config
+    out = []
+    for ids, text in prompts:
+        requested = completion_budget(
+            body.max_tokens, len(ids), engine.max_model_len, config, DEFAULT_COMPLETION_MAX_TOKENS
+        )
+        max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, "prompt")
+        sampling = build_sampling(body, max_tokens)
+        check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
+        out.append(_Prompt(ids, sampling, await _echo(engine, body, ids, text, sampling.logprobs)))
+    return out
+
+
+async def _start_all(
+    engine: EngineClient,
+    request: Request[Any, Any, Any],
+    prompts: list[_Prompt],
+    request_id: str,
+    metrics: Metrics,
+    n: int,
+) -> list[Generation]:
+    """``n`` generations per prompt, in choice order, all prompts submitted at once; when one
+    cannot start, the others are closed (their sequences aborted) before its error goes out."""
+    if len(prompts) == 1:
+        return await start_generation(
+            engine, request, prompts[0].ids, prompts[0].sampling, request_id, metrics, n
+        )
+    results = await asyncio.gather(
+        *(
+            start_generation(engine, request, p.ids, p.sampling, f"{request_id}-p{i}", metrics, n)
+            for i, p in enumerate(prompts)
+        ),
+        return_exceptions=True,
+    )
+    started = [g for r in results if not isinstance(r, BaseException) for g in r]
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        for generation in started:
+            await generation.aclose()
+        raise failure
+    return started
+
+
 @post(
     "/v1/completions",
     status_code=200,
@@ -130,50 +195,47 @@ async def create_completion(
 ) -> Response[Any]:
     """OpenAI (legacy) completions; see ``CompletionRequest`` for the accepted fields.
 
-    ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves.
+    ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves. A batch
+    of prompts gets ``n`` choices per prompt: choice ``i * n + j`` is prompt ``i``'s ``j``-th.
     """
     body = decode_body(await request.body(), CompletionRequest)
     served = models.resolve(body.model)
-    engine, config = served.engine, served.config
+    engine = served.engine
     check_supported(body)
-    body = with_sampling_defaults(body, config.sampling_defaults)
-    prompt_ids = await completion_prompt_ids(engine.tokenizer, body)
-    requested = completion_budget(
-        body.max_tokens,
-        len(prompt_ids),
-        engine.max_model_len,
-        config,
-        DEFAULT_COMPLETION_MAX_TOKENS,
-    )
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), engine.max_model_len, "prompt")
-    sampling = build_sampling(body, max_tokens)
+    body = with_sampling_defaults(body, served.config.sampling_defaults)
+    n = resolve_n(body.n, served.config.max_n)
+    prompts = await _prepare(served, body, await completion_prompts(engine.tokenizer, body))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    n = resolve_n(body.n, config.max_n)
-    check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
-    echo = await _echo(engine, body, prompt_ids, sampling.logprobs)
-    generations = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, metrics, n
-    )
-    tokenizer = engine.tokenizer if sampling.logprobs is not None else None
+    generations = await _start_all(engine, request, prompts, request_id, metrics, n)
+    echoes = [prompt.echo for prompt in prompts for _ in range(n)]
+    tokenizer = engine.tokenizer if prompts[0].sampling.logprobs is not None else None
     if body.stream:
         factories = [
             CompletionChunks(request_id, created, engine.model_name, tokenizer, index=i, echo=echo)
-            for i in range(n)
+            for i, echo in enumerate(echoes)
         ]
         return sse_response(
-            list(zip(generations, factories, strict=True)), body.wants_usage_chunk()
+            list(zip(generations, factories, strict=True)), body.wants_usage_chunk(), n
         )
     results = await cancel_on_disconnect(request, collect_all(generations))
-    choices = []
+    choices = [
+        _choice(index, result, echo, tokenizer)
+        for index, (result, echo) in enumerate(zip(results, echoes, strict=True))
+    ]
+    usage = merge_usage([r.usage for r in results], n)
+    return Response(Completion(request_id, created, engine.model_name, choices, usage))
+
+
+def _choice(
+    index: int, result: TextPiece, echo: Echo | None, tokenizer: TokenizerLike | None
+) -> CompletionChoice:
+    """One choice of a whole (not streamed) completion, its echoed prompt first."""
     prefix = echo.text if echo is not None else ""
     offset = echo.offset if echo is not None else 0
-    for index, result in enumerate(results):
-        choice = CompletionChoice(index, prefix + result.text, result.finish_reason)
-        if tokenizer is not None:
-            choice.logprobs = completion_logprobs(tokenizer, result.logprobs, offset)
-            if echo is not None and echo.logprobs is not None:
-                choice.logprobs = concat_logprobs(echo.logprobs, choice.logprobs)
-        choices.append(choice)
-    usage = merge_usage([r.usage for r in results])
-    return Response(Completion(request_id, created, engine.model_name, choices, usage))
+    choice = CompletionChoice(index, prefix + result.text, result.finish_reason)
+    if tokenizer is not None:
+        choice.logprobs = completion_logprobs(tokenizer, result.logprobs, offset)
+        if echo is not None and echo.logprobs is not None:
+            choice.logprobs = concat_logprobs(echo.logprobs, choice.logprobs)
+    return choice

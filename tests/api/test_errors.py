@@ -105,7 +105,7 @@ def test_unsupported_fields_at_their_defaults_are_accepted(client: Client) -> No
         ({"logprobs": 21}, "logprobs"),
         ({"logit_bias": {"258": 1}}, "logit_bias"),
         ({"suffix": "x"}, "suffix"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [[104], "b"]}, "prompt"),
         ({"prompt": [1, "b"]}, "prompt"),
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": ""}, "prompt"),

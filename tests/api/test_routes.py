@@ -176,6 +176,49 @@ def test_completions_token_ids_and_single_text_list(client: Client) -> None:
     }
 
 
+def test_completions_batch_of_texts_gets_n_choices_per_prompt(
+    client: Client, engine: MockEngine
+) -> None:
+    body = {"prompt": ["abc", "xy"], "n": 2, "max_tokens": 8}
+    response = client.post("/v1/completions", json=body).json()
+    texts = [(c["index"], c["text"]) for c in response["choices"]]
+    assert texts == [(0, "cba"), (1, "cba"), (2, "yx"), (3, "yx")]
+    usage = response["usage"]
+    # Each prompt counts once (BOS + its bytes), each choice's tokens count (reply + EOS).
+    assert usage["prompt_tokens"] == 4 + 3 and usage["completion_tokens"] == 2 * 4 + 2 * 3
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    prompts = sorted(r.prompt_token_ids[1:] for r in engine.requests)  # after the BOS
+    assert prompts == [(97, 98, 99), (97, 98, 99), (120, 121), (120, 121)]
+
+
+def test_completions_batch_of_token_id_lists_streams_each_choice(client: Client) -> None:
+    body = {
+        "prompt": [[104, 105], [120, 121, 122]],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = sse_chunks(client.post("/v1/completions", json=body).text)
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "ih", 1: "zyx"}
+    assert chunks[-1]["usage"]["prompt_tokens"] == 2 + 3
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(
+    client: Client, engine: MockEngine
+) -> None:
+    body = {"prompt": [[104, 105], [104, 999999]]}
+    error = assert_error(client.post("/v1/completions", json=body), 400)
+    assert error["param"] == "prompt"
+    assert engine.requests == []  # checked before any prompt was submitted
+    too_many = {"prompt": ["a"] * 129}
+    assert (
+        "at most 128" in assert_error(client.post("/v1/completions", json=too_many), 400)["message"]
+    )
+
+
 def test_completions_streaming(client: Client) -> None:
     body = {"prompt": "héllo", "stream": True, "stream_options": {"include_usage": True}}
     chunks = sse_chunks(client.post("/v1/completions", json=body).text)
