@@ -87,5 +87,6 @@ async def start_chat(
     )
     choices: list[Any] = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
     if tools is not None:
-        choices = [ToolCallPieces(choice, tools.parser) for choice in choices]
+        forced = tools.choice != "auto"
+        choices = [ToolCallPieces(choice, tools.parser, forced) for choice in choices]
     return ChatStart(choices, tools, sampling, n)

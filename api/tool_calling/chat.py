@@ -200,11 +200,17 @@ class _Pieces(Protocol):
 
 
 class ToolCallPieces:
-    """A choice's pieces with its content read by a tool parser (see the module docstring)."""
+    """A choice's pieces with its content read by a tool parser (see the module docstring).
 
-    def __init__(self, inner: _Pieces, parser: ToolParser) -> None:
+    ``forced`` (``required`` or a named function): the grammar allows nothing but calls, so text
+    the parser could not read as a call is a call cut off by ``max_tokens`` and is dropped, never
+    sent as content. A collected reply keeps only the calls whose arguments are complete JSON.
+    """
+
+    def __init__(self, inner: _Pieces, parser: ToolParser, forced: bool = False) -> None:
         self._inner = inner
         self._parser = parser
+        self._forced = forced
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -218,6 +224,8 @@ class ToolCallPieces:
             if piece.finish_reason is not None:
                 events += stream.finish()
             text = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
+            if self._forced:
+                text = ""
             calls = _merged([e for e in events if isinstance(e, ToolCallDelta)])
             called = called or bool(calls)
             reason = piece.finish_reason
@@ -248,13 +256,24 @@ class ToolCallPieces:
             last = piece
         if last is None:
             raise RuntimeError("the engine stream produced no output")
+        ordered = [calls[i] for i in sorted(calls)]
+        if last.finish_reason == "length":  # a call cut off mid-arguments is no call
+            ordered = [c for c in ordered if _complete_json(c["function"]["arguments"])]
         return replace(
             last,
             text="".join(content),
             reasoning="".join(reasoning),
             logprobs=tuple(logprobs),
-            tool_calls=tuple(calls[i] for i in sorted(calls)),
+            tool_calls=tuple(ordered),
         )
+
+
+def _complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _merged(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:

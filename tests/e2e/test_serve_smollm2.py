@@ -158,6 +158,20 @@ def test_a_forced_tool_call_is_a_valid_call(client: openai.OpenAI, tool_choice, 
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+@pytest.mark.parametrize("max_tokens", [6, 12])
+def test_a_forced_call_cut_off_by_max_tokens_leaks_no_markup(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    reply = ask(
+        client, WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", max_tokens=max_tokens
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content, choice.message.content
+    for call in choice.message.tool_calls or []:  # only whole calls come back
+        json.loads(call.function.arguments)
+
+
 def test_a_forced_tool_call_streams_name_then_arguments(client: openai.OpenAI) -> None:
     chunks = list(
         ask(client, WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", stream=True)
