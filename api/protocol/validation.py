@@ -29,7 +29,8 @@ _NAMED_FIELD = re.compile(r"field `(?P<field>[^`]+)`")
 
 
 def decode_body(body: bytes, body_type: type[T]) -> T:
-    """Decode a JSON body into ``body_type``; malformed JSON or a schema violation is a 400."""
+    """Decode a JSON body into ``body_type``; malformed JSON, a schema violation or nesting past
+    the interpreter's recursion limit is a 400."""
     try:
         return msgspec.json.decode(body, type=body_type)
     except msgspec.ValidationError as exc:
@@ -41,6 +42,8 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         raise bad_request(
             f"The request body is not valid JSON: it is not UTF-8 (byte {exc.start})"
         ) from None
+    except RecursionError:  # msgspec recurses once per array or object level
+        raise bad_request("The request body is nested too deeply.") from None
 
 
 def _split_location(message: str) -> tuple[str, str | None]:

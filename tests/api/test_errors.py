@@ -48,6 +48,18 @@ def test_invalid_utf8_in_a_string_is_400(client: Client, path: str, body: bytes)
     assert client.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 200
 
 
+def test_nesting_past_the_recursion_limit_is_400(client: Client) -> None:
+    """msgspec decodes ``Any`` values (here a tool's parameters) by recursion: 10,000 levels."""
+    deep = b'{"a":' * 10_000 + b"1" + b"}" * 10_000
+    body = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": ' + deep + b"}}]}"
+    )
+    error = assert_error(client.post("/v1/chat/completions", content=body), 400)
+    assert "nested too deeply" in error["message"]
+    assert client.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 200
+
+
 def test_missing_messages_names_the_param(client: Client) -> None:
     assert_error(client.post("/v1/chat/completions", json={"model": "x"}), 400, param="messages")
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")

@@ -1,0 +1,448 @@
+"""Byte-level fuzzing of a real ``runtime-serve --mock-engine`` process, beside the schema fuzzing.
+
+``tests.api.test_openapi_fuzz`` sends what the OpenAPI document describes; this file sends what
+no schema describes. A seeded generator (``random.Random(SEED)``: every run sends the same bytes)
+starts from valid bodies for each body route and breaks them: flipped bits, invalid UTF-8,
+truncation, lone surrogate escapes, NaN/Infinity literals, numbers past 64 bits or past a double,
+nesting 10,000 levels deep, duplicate keys, strings around the body cap, junk, other encodings,
+and every content type (or none). ``CASES`` bodies go out in ``BATCHES`` over ``CLIENTS``
+keep-alive connections at once. Every answer must come within ``RESPONSE_TIMEOUT_S``, be below 500,
+and an error must be the OpenAI envelope; after each batch ``/health`` must be 200 and a plain chat
+must succeed, and at the end the server must have logged no error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serve_process import ServerProcess, running_server
+
+SEED = 20261125
+CASES = 10_000
+BATCHES = 10
+CLIENTS = 4  # keep-alive connections sending at once
+RESPONSE_TIMEOUT_S = 10.0  # for one answer: a hang fails the case instead of stalling the run
+BODY_CAP = 64 * 1024  # --max-request-body-bytes, small so bodies around the cap are cheap to send
+DEPTHS = (10_000, 900, 500, 200)  # nesting levels: past and below the recursion limit
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+HELLO = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+VALID_BODIES: dict[str, list[dict[str, Any]]] = {
+    "/v1/chat/completions": [
+        HELLO,
+        {
+            "model": "mock",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "héllo ✓"}]},
+            ],
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "max_tokens": 4,
+            "stop": ["x"],
+            "seed": 7,
+        },
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4},
+        {
+            "messages": [{"role": "user", "content": "call"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object"}},
+                }
+            ],
+            "max_tokens": 4,
+            "logit_bias": {"5": 1.5},
+        },
+    ],
+    "/v1/completions": [
+        {"prompt": "once upon", "max_tokens": 4},
+        {"prompt": ["a", "b"], "max_tokens": 2, "logprobs": 1, "n": 2},
+        {"prompt": [1, 2, 3], "max_tokens": 2, "stream": True},
+    ],
+    "/v1/embeddings": [
+        {"input": "hello"},
+        {"input": ["a", "b"], "encoding_format": "base64"},
+        {"input": [1, 2, 3], "pooling": "last", "normalize": False},
+    ],
+    "/v1/responses": [
+        {"input": "hello", "max_output_tokens": 4},
+        {
+            "input": [{"role": "user", "content": "hi"}],
+            "instructions": "be brief",
+            "max_output_tokens": 4,
+            "store": False,
+        },
+    ],
+    "/tokenize": [
+        {"prompt": "hello"},
+        {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False},
+    ],
+}
+ROUTES = tuple(VALID_BODIES)
+
+JSON = "application/json"
+CONTENT_TYPES: tuple[str | None, ...] = (
+    None,
+    "",
+    "text/plain",
+    "text/plain; charset=utf-8",
+    "multipart/form-data; boundary=xyz",
+    "multipart/form-data",
+    "application/x-www-form-urlencoded",
+    "application/octet-stream",
+    "application/xml",
+    "application/json; charset=latin-1",
+    "application/json; charset=utf-16",
+    "application/json; boundary=",
+    "application/jsonx",
+    "APPLICATION/JSON",
+    "*/*",
+    "text/event-stream",
+    "image/png",
+    ";;;",
+)
+SPECIAL_NUMBERS = (
+    b"NaN",
+    b"-NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"inf",
+    b"18446744073709551616",  # 2**64
+    b"-9223372036854775809",  # -2**63 - 1
+    b"340282366920938463463374607431768211456",  # 2**128
+    b"1e400",
+    b"-1e400",
+    b"1e-400",
+    b"1" + b"0" * 5000,
+    b"0x10",
+    b"01",
+    b"+1",
+    b".5",
+    b"1.",
+    b"1e",
+    b"-",
+    b"1_000",
+)
+BAD_STRINGS = (
+    rb'"\ud800"',
+    rb'"\udfff"',
+    rb'"a\ud800b"',
+    rb'"\udc00\ud800"',
+    rb'"\ud800\u0041"',
+    rb'"\u0000"',
+    rb'"\x41"',
+    rb'"\u12"',
+    rb'"\uZZZZ"',
+    b'"\x00\x01\x1f"',  # raw control characters
+    b'"\xed\xa0\x80"',  # a surrogate encoded as UTF-8
+    b'"\xc0\xaf"',  # an overlong encoding
+    b'"\xf4\x90\x80\x80"',  # past U+10FFFF
+    b'"\xe2\x82"',  # a cut multi-byte sequence
+    b'"\xff\xfe"',
+    b'"unterminated',
+)
+INVALID_UTF8 = (b"\xff", b"\xfe", b"\xc0", b"\xc1", b"\x80", b"\xed\xa0\x80", b"\xe2\x82", b"\xf8")
+FRAGMENTS = (
+    b"null",
+    b"true",
+    b"[]",
+    b"{}",
+    b"[null]",
+    b'{"": null}',
+    b'""',
+    b"-0",
+    b"1e308",
+    b'[1, "a", {}, [], null]',
+    b'{"role": "user"}',
+    b",",
+    b"]",
+    b"}",
+    b":",
+    b"[",
+    b"{",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    route: str
+    body: bytes
+    content_type: str | None = JSON
+    kind: str = ""
+
+
+def _valid_bytes(rng: random.Random, route: str) -> bytes:
+    return json.dumps(rng.choice(VALID_BODIES[route]), ensure_ascii=False).encode()
+
+
+def _flip_bits(rng: random.Random, body: bytes) -> bytes:
+    data = bytearray(body)
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def _insert_bytes(rng: random.Random, body: bytes) -> bytes:
+    at = rng.randrange(len(body) + 1)
+    return body[:at] + rng.choice(INVALID_UTF8) * rng.randint(1, 3) + body[at:]
+
+
+def _truncate(rng: random.Random, body: bytes) -> bytes:
+    return body[: rng.randrange(len(body))]
+
+
+def _value_spans(body: bytes) -> list[tuple[int, int]]:
+    """The byte spans of the scalar values (strings, numbers, literals) after each ``":"``."""
+    spans = []
+    for at in range(len(body) - 1):
+        if body[at : at + 2] != b": ":
+            continue
+        start = at + 2
+        if body[start : start + 1] in (b"[", b"{"):
+            continue
+        end = start + 1
+        if body[start : start + 1] == b'"':
+            while end < len(body) and body[end : end + 1] != b'"':
+                end += 2 if body[end : end + 1] == b"\\" else 1
+            end += 1
+        else:
+            while end < len(body) and body[end : end + 1] not in (b",", b"}", b"]"):
+                end += 1
+        spans.append((start, end))
+    return spans
+
+
+def _replace_value(rng: random.Random, body: bytes, choices: tuple[bytes, ...]) -> bytes:
+    spans = _value_spans(body)
+    if not spans:
+        return body + rng.choice(choices)
+    start, end = rng.choice(spans)
+    return body[:start] + rng.choice(choices) + body[end:]
+
+
+def _deep(rng: random.Random, body: bytes) -> bytes:
+    opener, closer = rng.choice(((b"[", b"]"), (b'{"a":', b"}"), (b'{"content":[', b"]}")))
+    closed = rng.random() < 0.5
+    depth = rng.choice(DEPTHS)
+    nest = opener * depth + b"1" + (closer * depth if closed else b"")
+    if rng.random() < 0.3:
+        return nest
+    return _replace_value(rng, body, (nest,))
+
+
+def _duplicate_keys(rng: random.Random, body: bytes) -> bytes:
+    try:
+        obj = json.loads(body)
+    except ValueError:  # already broken by an earlier mutation
+        return b'{"model": "a", ' + body[1:]
+    if not isinstance(obj, dict) or not obj:
+        return body
+    key = rng.choice(list(obj))
+    again = json.dumps({key: rng.choice((obj[key], None, "x", 1, [], {}))})[1:-1].encode()
+    head, tail = body[:-1], body[-1:]
+    return head + b", " + again + tail if rng.random() < 0.5 else b"{" + again + b", " + body[1:]
+
+
+def _huge_string(rng: random.Random, body: bytes) -> bytes:
+    # Around the cap: some just under (a valid long prompt or an over-long one), some just over.
+    target = BODY_CAP + rng.randint(-64, 64)
+    filler = rng.choice((b"a", b"\\u00e9", "é".encode(), b" "))
+    text = filler * max(0, (target - len(body)) // len(filler))
+    return _replace_value(rng, body, (b'"' + text + b'"',))
+
+
+def _junk(rng: random.Random, _: bytes) -> bytes:
+    return rng.randbytes(rng.randint(0, 256))
+
+
+def _reencode(rng: random.Random, body: bytes) -> bytes:
+    text = body.decode(errors="surrogateescape")
+    return rng.choice(
+        (
+            b"\xef\xbb\xbf" + body,  # a UTF-8 byte order mark
+            text.encode("utf-16", errors="surrogatepass"),
+            text.encode("utf-32-le", errors="surrogatepass"),
+            text.encode("latin-1", errors="replace"),
+            b"",
+            b" \t\r\n ",
+            b"[" + body + b"]",
+            json.dumps(text).encode(),  # the body as one JSON string
+            body + b"\x00",
+            body + body,
+            b"\x00" + body,
+            b"1",
+            b"null",
+        )
+    )
+
+
+MUTATIONS: dict[str, Callable[[random.Random, bytes], bytes]] = {
+    "flip": _flip_bits,
+    "utf8": _insert_bytes,
+    "truncate": _truncate,
+    "surrogate": lambda rng, body: _replace_value(rng, body, BAD_STRINGS),
+    "number": lambda rng, body: _replace_value(rng, body, SPECIAL_NUMBERS),
+    "fragment": lambda rng, body: _replace_value(rng, body, FRAGMENTS),
+    "deep": _deep,
+    "duplicate": _duplicate_keys,
+    "huge": _huge_string,
+    "junk": _junk,
+    "encoding": _reencode,
+}
+
+
+def generate_cases(seed: int, count: int) -> list[Case]:
+    """``count`` cases, the same for the same seed: mostly one mutation of a valid body, some
+    two, and some a valid or mutated body under another content type."""
+    rng = random.Random(seed)
+    names = sorted(MUTATIONS)
+    cases = []
+    for _ in range(count):
+        route = rng.choice(ROUTES)
+        body = _valid_bytes(rng, route)
+        kinds = [rng.choice(names) for _ in range(1 if rng.random() < 0.8 else 2)]
+        if "huge" in kinds or "deep" in kinds:
+            kinds = kinds[:1]  # keep the large ones whole, so they are what the case is about
+        for kind in kinds:
+            body = MUTATIONS[kind](rng, body) if body else body
+        content_type = JSON
+        if rng.random() < 0.15:
+            content_type = rng.choice(CONTENT_TYPES)
+            kinds.append("content-type")
+        cases.append(Case(route, body, content_type, "+".join(kinds)))
+    return cases
+
+
+def envelope_problem(status: int, body: bytes) -> str | None:
+    """Why a response breaks the rules (a 5xx, or an error that is not the envelope); None if not."""
+    if status >= 500:
+        return f"status {status}"
+    if status < 400:
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return f"status {status} with a body that is not JSON: {body[:200]!r}"
+    if not isinstance(payload, dict) or set(payload) != {"error"}:
+        return f"status {status} without the envelope: {payload!r:.200}"
+    error = payload["error"]
+    if not isinstance(error, dict) or set(error) != ENVELOPE_KEYS:
+        return f"status {status} with error keys {sorted(error)!r}"
+    if not isinstance(error["message"], str) or not error["message"]:
+        return f"status {status} without a message: {error!r:.200}"
+    return None
+
+
+@dataclass
+class FuzzLog:
+    statuses: Counter[int] = field(default_factory=Counter)
+    kinds: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    slowest_s: float = 0.0
+
+    @property
+    def cases(self) -> int:
+        return sum(self.statuses.values()) + len(self.failures)
+
+
+async def _send(client: httpx.AsyncClient, case: Case, log: FuzzLog) -> None:
+    headers = {} if case.content_type is None else {"content-type": case.content_type}
+    started = time.monotonic()
+    try:
+        reply = await client.post(case.route, content=case.body, headers=headers)
+    except httpx.HTTPError as exc:
+        log.failures.append(
+            f"{case.kind} {case.route}: {type(exc).__name__} {exc} {case.body[:120]!r}"
+        )
+        return
+    log.slowest_s = max(log.slowest_s, time.monotonic() - started)
+    log.statuses[reply.status_code] += 1
+    log.kinds[case.kind.split("+")[0]] += 1
+    if problem := envelope_problem(reply.status_code, reply.content):
+        log.failures.append(f"{case.kind} {case.route}: {problem}; sent {case.body[:120]!r}")
+
+
+async def _send_all(client: httpx.AsyncClient, cases: list[Case], log: FuzzLog) -> None:
+    queue = iter(cases)
+
+    async def worker() -> None:
+        for case in queue:
+            await _send(client, case, log)
+
+    await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+
+
+async def _check_healthy(client: httpx.AsyncClient) -> None:
+    health = await client.get("/health")
+    assert health.status_code == 200, health.text
+    reply = await client.post("/v1/chat/completions", json=HELLO)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == "olleh"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``runtime-serve --mock-engine`` with a small body cap; its log must hold no error."""
+    log = tmp_path_factory.mktemp("byte_fuzz") / "server.log"
+    args = [
+        "--mock-engine",
+        "--served-model-name",
+        "mock",
+        "--log-level",
+        "warn",
+        "--max-request-body-bytes",
+        str(BODY_CAP),
+    ]
+    with running_server(args, log, stop_timeout=15) as process:
+        yield process
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+def test_the_generator_is_deterministic_and_covers_every_mutation() -> None:
+    first, again = generate_cases(SEED, 500), generate_cases(SEED, 500)
+    assert first == again
+    assert first != generate_cases(SEED + 1, 500)
+    kinds = {part for case in first for part in case.kind.split("+")}
+    assert kinds == {*MUTATIONS, "content-type"}
+    assert {case.route for case in first} == set(ROUTES)
+
+
+@pytest.mark.e2e
+async def test_mutated_bodies_get_no_5xx_and_errors_keep_the_envelope(
+    server: ServerProcess,
+) -> None:
+    cases = generate_cases(SEED, CASES)
+    log = FuzzLog()
+    base_url = server.url.removesuffix("/v1")
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    started = time.monotonic()
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=RESPONSE_TIMEOUT_S, limits=limits
+    ) as client:
+        size = len(cases) // BATCHES
+        for batch in range(BATCHES):
+            await _send_all(client, cases[batch * size : (batch + 1) * size], log)
+            assert not log.failures, log.failures[:20]
+            await _check_healthy(client)
+    wall_s = time.monotonic() - started
+    print(
+        f"\nbyte fuzz: {log.cases} cases in {wall_s:.1f}s over {CLIENTS} connections, "
+        f"slowest answer {log.slowest_s:.2f}s; statuses {sorted(log.statuses.items())}; "
+        f"first mutation {sorted(log.kinds.items())}"
+    )
+    assert log.cases == CASES
+    assert not [status for status in log.statuses if status >= 500]
+    # The mutations reach past validation and are also refused.
+    assert log.statuses[200] and log.statuses[400] and log.statuses[413], log.statuses
