@@ -28,7 +28,7 @@ from jax_llm_runtime.api.protocol.bodies import (
 from jax_llm_runtime.api.protocol.openapi import documented
 from jax_llm_runtime.api.protocol.validation import check_supported, decode_body
 from jax_llm_runtime.api.service.dependencies import ModelsDep
-from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect, read_body
 from jax_llm_runtime.api.service.metrics import Metrics
 from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
@@ -93,7 +93,7 @@ async def create_chat_completion(
     Errors are OpenAI envelopes: 400 for bad or unsupported fields and prompts that do not fit the
     context, 404 for another model name, 503 when the engine shuts down mid-request.
     """
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    body = decode_body(await read_body(request), ChatCompletionRequest)
     served = models.resolve(body.model)
     engine, config = served.engine, served.config
     check_supported(body)

@@ -43,7 +43,7 @@ from jax_llm_runtime.api.protocol.validation import (
     resolve_n,
 )
 from jax_llm_runtime.api.service.dependencies import ModelsDep
-from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect, read_body
 from jax_llm_runtime.api.service.metrics import Metrics
 from jax_llm_runtime.runtime.engine.interface import EngineClient, TokenizerLike
 from jax_llm_runtime.runtime.engine.request import SamplingParams, TokenLogprobs
@@ -198,7 +198,7 @@ async def create_completion(
     ``max_tokens`` defaults to 16 as in OpenAI's API, capped by what the context leaves. A batch
     of prompts gets ``n`` choices per prompt: choice ``i * n + j`` is prompt ``i``'s ``j``-th.
     """
-    body = decode_body(await request.body(), CompletionRequest)
+    body = decode_body(await read_body(request), CompletionRequest)
     served = models.resolve(body.model)
     engine = served.engine
     check_supported(body)

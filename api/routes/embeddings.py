@@ -29,7 +29,7 @@ from jax_llm_runtime.api.protocol.errors import APIError, bad_request, not_suppo
 from jax_llm_runtime.api.protocol.openapi import documented
 from jax_llm_runtime.api.protocol.validation import decode_body
 from jax_llm_runtime.api.service.dependencies import ModelsDep
-from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect, read_body
 from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -109,7 +109,7 @@ async def create_embeddings(request: Request[Any, Any, Any], models: ModelsDep) 
     Errors: 400 for bad fields, empty inputs, ``dimensions`` and inputs longer than the context
     (``context_length_exceeded``), 404 for another model name, 503 when the engine is down.
     """
-    body = decode_body(await request.body(), EmbeddingRequest)
+    body = decode_body(await read_body(request), EmbeddingRequest)
     engine = models.resolve(body.model).engine
     if body.dimensions is not None:
         raise not_supported("dimensions")

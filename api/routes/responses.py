@@ -35,7 +35,7 @@ from jax_llm_runtime.api.responses.items import chat_tools, input_messages
 from jax_llm_runtime.api.responses.run import ResponseRun, RunContext
 from jax_llm_runtime.api.responses.store import ResponseStore
 from jax_llm_runtime.api.service.dependencies import ModelsDep
-from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
+from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect, read_body
 from jax_llm_runtime.api.service.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ async def create_response(
     ``previous_response_id`` (``previous_response_not_found``) and prompts that do not fit the
     context, 404 for another model name, 503 when the engine shuts down mid-request.
     """
-    body = decode_body(await request.body(), ResponsesRequest)
+    body = decode_body(await read_body(request), ResponsesRequest)
     served = models.resolve(body.model)
     history = _previous(response_store, body.previous_response_id)
     history += input_messages(body, mcp)

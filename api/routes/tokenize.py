@@ -21,6 +21,7 @@ from jax_llm_runtime.api.protocol.errors import bad_request
 from jax_llm_runtime.api.protocol.openapi import documented
 from jax_llm_runtime.api.protocol.validation import decode_body
 from jax_llm_runtime.api.service.dependencies import EngineDep, ModelsDep
+from jax_llm_runtime.api.service.disconnect import read_body
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +71,7 @@ def _render(engine: EngineDep, body: TokenizeRequest) -> str:
 @post("/tokenize", status_code=200, operation_class=documented(TokenizeRequest))
 async def tokenize(request: Request[Any, Any, Any], models: ModelsDep) -> TokenizeResponse:
     """Token ids of a prompt or a chat; 400 unless exactly one of them is given."""
-    body = decode_body(await request.body(), TokenizeRequest)
+    body = decode_body(await read_body(request), TokenizeRequest)
     engine = models.resolve(body.model).engine
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of `prompt` and `messages`.", param="prompt")
@@ -91,7 +92,7 @@ async def tokenize(request: Request[Any, Any, Any], models: ModelsDep) -> Tokeni
 @post("/detokenize", status_code=200, operation_class=documented(DetokenizeRequest))
 async def detokenize(request: Request[Any, Any, Any], models: ModelsDep) -> DetokenizeResponse:
     """The text of token ids (special tokens kept, so a round trip is faithful)."""
-    body = decode_body(await request.body(), DetokenizeRequest)
+    body = decode_body(await read_body(request), DetokenizeRequest)
     engine = models.resolve(body.model).engine
     try:
         text = await asyncio.to_thread(

@@ -5,7 +5,8 @@ iterates the body. Plain handlers get no such help, so ``cancel_on_disconnect`` 
 (waiting for the first token, or collecting a whole non-streamed completion) against the ASGI
 ``receive`` channel, which yields ``http.disconnect`` once the request body has been read and the
 client closes its connection. Cancelling the awaitable raises ``CancelledError`` inside the engine's
-delta stream, which aborts the request and frees its pages.
+delta stream, which aborts the request and frees its pages. ``read_body`` turns a client that goes
+away while it sends the body (or is cut off by ``--request-read-timeout``) into the same 499.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from litestar import Request
+from litestar.exceptions import InternalServerException
 
 from jax_llm_runtime.api.protocol.errors import APIError
 
@@ -33,6 +35,20 @@ class ClientDisconnectedError(APIError):
             "The client closed the connection; the request was aborted.",
             code="client_disconnected",
         )
+
+
+async def read_body(request: Request[Any, Any, Any]) -> bytes:
+    """The request body; a client that closes the connection before all of it has arrived is a
+    ClientDisconnectedError, not a server error.
+
+    Litestar raises ``InternalServerException`` ("client disconnected prematurely") for an
+    ``http.disconnect`` while it reads the body; that is the only one its body reader raises (a
+    body past the cap is a ``RequestEntityTooLarge``, a 413).
+    """
+    try:
+        return await request.body()
+    except InternalServerException:
+        raise ClientDisconnectedError() from None
 
 
 async def _wait_for_disconnect(request: Request[Any, Any, Any]) -> None:
