@@ -10,6 +10,8 @@
    second SIGTERM ends the wait early.
 3. SIGINT (Ctrl-C) keeps uvicorn's behaviour: up to ``GRACEFUL_SHUTDOWN_S`` for open connections,
    then ``KeyboardInterrupt`` (``runtime-serve`` exits with status 130).
+4. Connections are read by uvicorn's h11 protocol with a deadline per request
+   (``--request-read-timeout``) and protocol errors in the envelope (``api.cli.http_protocol``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.api.cli.http_protocol import read_timeout_protocol
 from jax_llm_runtime.api.mcp.client import McpClients
 from jax_llm_runtime.api.service.draining import Drain
 from jax_llm_runtime.api.service.served_models import ModelRegistry, ServedModel
@@ -107,6 +110,7 @@ def serve(
         log_level="info",
         log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=read_timeout_protocol(server.request_read_timeout_s),
     )
     uvicorn_server = _Server(config, app.state.models, drain, shutdown_timeout_s, started_at)
     mcp: McpClients = app.state.mcp

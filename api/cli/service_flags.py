@@ -20,6 +20,7 @@ from jax_llm_runtime.api.service.settings import (
     DEFAULT_MAX_TOP_LOGPROBS,
     DEFAULT_MCP_MAX_ROUNDS,
     DEFAULT_MCP_TIMEOUT_S,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
     TOOL_PARSERS,
     SamplingDefaults,
     ServerConfig,
@@ -100,6 +101,15 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are a 413 (default: %(default)s)",
+    )
+    add(
+        "--request-read-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request whose head and body have not all arrived this long after it began "
+        "(or after the connection opened) is a 408 and its connection is closed, so slow or "
+        "stalled senders cannot hold connections open (default: %(default)s)",
     )
     _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
     add_ui_flags(parser)
@@ -207,6 +217,7 @@ def server_config(
         max_top_logprobs=args.max_top_logprobs,
         tool_parser=args.tool_parser,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_read_timeout_s=args.request_read_timeout,
         sampling_defaults=defaults,
         mcp_servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
         mcp_max_rounds=args.mcp_max_rounds,

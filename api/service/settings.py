@@ -18,6 +18,7 @@ from jax_llm_runtime.runtime.engine.request import PENALTY_WINDOW
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 DEFAULT_MCP_MAX_ROUNDS = 8
 DEFAULT_MCP_TIMEOUT_S = 60.0
 DEFAULT_MCP_MAX_OUTPUT_BYTES = 64 * 1024
@@ -107,7 +108,8 @@ class ServerConfig:
     servers connected at startup (``api.mcp.client.client``); ``mcp_max_rounds``: how many model turns of MCP
     calls one /v1/responses request may run; ``mcp_timeout_s`` bounds each call and
     ``mcp_max_output_bytes`` each result. ``ui``: the web chat UI's settings (``api.ui``); None
-    serves no UI.
+    serves no UI. ``request_read_timeout_s``: how long a request's head and body together may
+    take to arrive (``api.cli.http_protocol``).
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -117,6 +119,7 @@ class ServerConfig:
     max_completion_tokens_cap: int | None = None
     max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str = "auto"  # a name of api.tool_calling.parsers.PARSERS, or "auto"
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -153,6 +156,10 @@ class ServerConfig:
         if self.max_request_body_bytes < 1024:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
+        if not (math.isfinite(self.request_read_timeout_s) and self.request_read_timeout_s > 0):
+            raise ValueError(
+                f"request_read_timeout_s must be > 0, got {self.request_read_timeout_s}"
             )
 
     def _check_mcp(self) -> None:

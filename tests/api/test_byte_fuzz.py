@@ -33,6 +33,7 @@ BATCHES = 10
 CLIENTS = 4  # keep-alive connections sending at once
 RESPONSE_TIMEOUT_S = 10.0  # for one answer: a hang fails the case instead of stalling the run
 BODY_CAP = 64 * 1024  # --max-request-body-bytes, small so bodies around the cap are cheap to send
+READ_TIMEOUT_S = 3.0  # --request-read-timeout: how long a slow sender may take over one request
 DEPTHS = (10_000, 900, 500, 200)  # nesting levels: past and below the recursion limit
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 HELLO = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -393,7 +394,8 @@ async def _check_healthy(client: httpx.AsyncClient) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """``runtime-serve --mock-engine`` with a small body cap; its log must hold no error."""
+    """``runtime-serve --mock-engine`` with a small body cap and a short read deadline; its log
+    must hold no error."""
     log = tmp_path_factory.mktemp("byte_fuzz") / "server.log"
     args = [
         "--mock-engine",
@@ -403,6 +405,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "warn",
         "--max-request-body-bytes",
         str(BODY_CAP),
+        "--request-read-timeout",
+        str(READ_TIMEOUT_S),
     ]
     with running_server(args, log, stop_timeout=15) as process:
         yield process
@@ -446,3 +450,251 @@ async def test_mutated_bodies_get_no_5xx_and_errors_keep_the_envelope(
     assert not [status for status in log.statuses if status >= 500]
     # The mutations reach past validation and are also refused.
     assert log.statuses[200] and log.statuses[400] and log.statuses[413], log.statuses
+
+
+# ------------------------------------------------------------------------ protocol level: raw bytes
+
+HELLO_BYTES = json.dumps(HELLO).encode()
+
+
+def _request(path: str, body: bytes, *headers: bytes) -> bytes:
+    head = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: fuzz", *headers]
+    if not any(h.lower().startswith(b"transfer-encoding") for h in headers):
+        head.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[bytes, bytes]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> Reply | None:
+    """One HTTP/1.1 response (a Content-Length or a chunked body); None at end of stream."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        assert not exc.partial, f"a partial response: {exc.partial!r}"
+        return None
+    status_line, *lines = head[:-4].split(b"\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readuntil(b"\r\n")
+    else:
+        body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
+    return Reply(int(status_line.split()[1]), headers, body)
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection (reading nothing more) within a few seconds."""
+    try:
+        return await asyncio.wait_for(reader.read(1), RESPONSE_TIMEOUT_S) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _assert_envelope(reply: Reply, status: int | None = None) -> dict[str, Any]:
+    assert 400 <= reply.status < 500, (reply.status, reply.body[:300])
+    assert status is None or reply.status == status, (reply.status, reply.body[:300])
+    assert envelope_problem(reply.status, reply.body) is None, reply.body[:300]
+    return reply.json()["error"]
+
+
+async def _send_raw(server: ServerProcess, data: bytes, *, end: bool = False) -> Reply | None:
+    """Send ``data`` on a fresh connection (then half-close it when ``end``) and read one reply;
+    a 4xx must be the envelope, and the server must keep serving."""
+    reader, writer = await asyncio.open_connection(*_address(server))
+    try:
+        try:
+            writer.write(data)
+            await writer.drain()
+            if end:
+                writer.write_eof()
+        except ConnectionError:  # the server refused the request before it was all sent
+            pass
+        try:
+            reply = await asyncio.wait_for(_read_reply(reader), RESPONSE_TIMEOUT_S)
+        except ConnectionResetError:
+            reply = None
+    finally:
+        writer.close()
+    if reply is not None and reply.status >= 400:
+        _assert_envelope(reply)
+    return reply
+
+
+def _address(server: ServerProcess) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    return host, int(port)
+
+
+async def _assert_serving(server: ServerProcess) -> None:
+    async with httpx.AsyncClient(
+        base_url=server.url.removesuffix("/v1"), timeout=RESPONSE_TIMEOUT_S
+    ) as client:
+        await _check_healthy(client)
+
+
+@pytest.mark.e2e
+async def test_pipelined_requests_are_answered_in_order(server: ServerProcess) -> None:
+    reader, writer = await asyncio.open_connection(*_address(server))
+    tokenize = json.dumps({"prompt": "abc"}).encode()
+    writer.write(
+        _request("/v1/chat/completions", HELLO_BYTES, b"Content-Type: application/json")
+        + _request("/tokenize", tokenize)
+        + _request("/v1/embeddings", b'{"input": "\xff"}')
+    )
+    chat, tokens, embedding = [await asyncio.wait_for(_read_reply(reader), 10) for _ in range(3)]
+    writer.close()
+    assert (
+        chat and chat.status == 200 and chat.json()["choices"][0]["message"]["content"] == "olleh"
+    )
+    assert (
+        tokens and tokens.status == 200 and tokens.json()["count"] == len(tokens.json()["tokens"])
+    )
+    assert embedding and "JSON" in _assert_envelope(embedding, 400)["message"]
+
+
+@pytest.mark.e2e
+async def test_chunked_bodies(server: ServerProcess) -> None:
+    chunked = b"Transfer-Encoding: chunked"
+    pieces = [HELLO_BYTES[:7], HELLO_BYTES[7:8], HELLO_BYTES[8:]]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    reply = await _send_raw(server, _request("/v1/chat/completions", body, chunked))
+    assert reply and reply.status == 200, reply
+    assert reply.json()["choices"][0]["message"]["content"] == "olleh"
+
+    malformed = (
+        b"zz\r\nabc\r\n0\r\n\r\n",  # a size that is not hex
+        b"5\r\nabc\r\n0\r\n\r\n",  # a chunk shorter than its size
+        b"ffffffffffffffffffff\r\n{}",  # a size past any cap
+        b"3\r\n{}}XX0\r\n\r\n",  # no CRLF after the chunk
+    )
+    for body in malformed:
+        reply = await _send_raw(server, _request("/v1/chat/completions", body, chunked), end=True)
+        assert reply is None or reply.status in (400, 413), (body, reply)
+    await _assert_serving(server)
+
+
+@pytest.mark.e2e
+async def test_a_body_shorter_than_its_content_length_then_close(server: ServerProcess) -> None:
+    """The client promises more than it sends and half-closes: no answer, no error logged."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 1000\r\n\r\n"
+    assert await _send_raw(server, head + HELLO_BYTES, end=True) is None
+    assert await _send_raw(server, head, end=True) is None
+    await _assert_serving(server)
+
+
+GARBAGE = (
+    b"\x00\xff GARBAGE\r\n\r\n",
+    b"GET\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: fuzz\r\nno colon here\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: fuzz\r\nX: a\x00b\r\n\r\n",
+    b"GET /\x7f\x80 HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # the HTTP/2 preface
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 1e3\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 99999999999999999999\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nTransfer-Encoding: gzip\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nTransfer-Encoding: chunked\r\n"
+    b"Content-Length: 3\r\n\r\n0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\n\r\n",  # no Host
+    b"GET / HTTP/1.1\r\nHost: fuzz\r\n Folded: header\r\n\r\n",
+    b"G\xc3\x89T / HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+    b"GET http://[::1 HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: fuzz\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+    b"\r\n" * 20 + b"GET /health HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+)
+
+
+@pytest.mark.e2e
+async def test_protocol_garbage_is_a_4xx_envelope_or_a_closed_connection(
+    server: ServerProcess,
+) -> None:
+    rng = random.Random(SEED)
+    junk = [rng.randbytes(rng.randint(1, 2000)) for _ in range(20)]
+    replies: Counter[int | None] = Counter()
+    for data in (*GARBAGE, *junk):
+        reply = await _send_raw(server, data, end=True)
+        assert reply is None or reply.status < 500, (data, reply)
+        replies[reply and reply.status] += 1
+    print(f"\nprotocol garbage: {sorted(replies.items(), key=str)}")
+    await _assert_serving(server)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param([b"X-Many-%d: %s" % (i, b"v" * 50) for i in range(200)], id="200-headers"),
+        pytest.param([b"X-Big: " + b"v" * 12_000], id="one-12k-header"),
+        pytest.param([b"X-%d: v" % i for i in range(20_000)], id="20k-headers"),
+        pytest.param([b"X-Huge: " + b"v" * 2**20], id="one-1m-header"),
+    ],
+)
+async def test_header_floods_are_refused(server: ServerProcess, headers: list[bytes]) -> None:
+    """Heads that arrive whole reach the 431 guard; larger ones are refused (a 400 or 431
+    envelope) or cut off by uvicorn before it buffers them."""
+    reply = await _send_raw(server, _request("/v1/chat/completions", HELLO_BYTES, *headers))
+    assert reply is None or reply.status in (400, 431), reply
+    await _assert_serving(server)
+
+
+async def _trickle(server: ServerProcess, head: bytes, body: bytes) -> tuple[Reply | None, float]:
+    """Send ``head`` and then ``body`` a byte a second; the reply, and when the server ended."""
+    reader, writer = await asyncio.open_connection(*_address(server))
+    started = time.monotonic()
+    writer.write(head)
+    reply_task = asyncio.ensure_future(_read_reply(reader))
+    try:
+        for byte in body:
+            await asyncio.wait([reply_task], timeout=1.0)
+            if reply_task.done():
+                break
+            writer.write(bytes([byte]))
+        reply = await asyncio.wait_for(reply_task, RESPONSE_TIMEOUT_S)
+        assert await _closed(reader)
+        return reply, time.monotonic() - started
+    finally:
+        reply_task.cancel()
+        writer.close()
+
+
+@pytest.mark.e2e
+async def test_slow_senders_are_cut_off_and_block_no_one(server: ServerProcess) -> None:
+    """Head and body a byte a second, or a stalled head: a 408 and a closed connection after
+    ``--request-read-timeout``, while other clients are served as usual."""
+    body_head = _request("/v1/chat/completions", HELLO_BYTES)[: -len(HELLO_BYTES)]
+    slow = [
+        asyncio.ensure_future(_trickle(server, body_head, HELLO_BYTES)),  # a slow body
+        asyncio.ensure_future(_trickle(server, b"", _request("/tokenize", b"{}"))),  # a slow head
+        asyncio.ensure_future(_trickle(server, b"POST /v1/chat", b"")),  # a stalled head
+    ]
+    async with httpx.AsyncClient(
+        base_url=server.url.removesuffix("/v1"), timeout=RESPONSE_TIMEOUT_S
+    ) as client:
+        while not all(task.done() for task in slow):
+            started = time.monotonic()
+            await _check_healthy(client)
+            assert time.monotonic() - started < 2.0
+            await asyncio.sleep(0.25)
+    for task in slow:
+        reply, took_s = task.result()
+        assert reply is not None and _assert_envelope(reply, 408)["code"] == "request_timeout"
+        assert READ_TIMEOUT_S - 0.5 < took_s < READ_TIMEOUT_S + 3, took_s
+    await _assert_serving(server)

@@ -168,6 +168,16 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert server_config(args).api_key == "flag"
 
 
+def test_request_read_timeout_flag() -> None:
+    assert server_config(build_parser().parse_args(["--mock-engine"])).request_read_timeout_s == 60
+    args = build_parser().parse_args(["--mock-engine", "--request-read-timeout", "2.5"])
+    assert server_config(args).request_read_timeout_s == 2.5
+    for bad in ("0", "-1", "nan", "inf"):
+        args = build_parser().parse_args(["--mock-engine", "--request-read-timeout", bad])
+        with pytest.raises(ValueError, match="request_read_timeout_s"):
+            server_config(args)
+
+
 # ----------------------------------------------------------------------------- served names
 
 
