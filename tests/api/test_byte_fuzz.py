@@ -9,6 +9,11 @@ and every content type (or none). ``CASES`` bodies go out in ``BATCHES`` over ``
 keep-alive connections at once. Every answer must come within ``RESPONSE_TIMEOUT_S``, be below 500,
 and an error must be the OpenAI envelope; after each batch ``/health`` must be 200 and a plain chat
 must succeed, and at the end the server must have logged no error.
+
+Below the bodies, raw sockets: pipelined requests, chunked bodies (valid and malformed), a body
+shorter than its Content-Length, garbage instead of HTTP, header floods, and slow senders, which
+``--request-read-timeout`` (``api.cli.http_protocol``) cuts off with a 408 while other clients are
+served. Each ends in a 4xx envelope or a closed connection, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import httpx
 import pytest
 
 from tests.serve_process import ServerProcess, running_server
+
+# Each test (the fuzz run, about 15 s on two cores, included) fails instead of stalling CI.
+pytestmark = pytest.mark.timeout(120)
 
 SEED = 20261125
 CASES = 10_000
