@@ -85,7 +85,8 @@ class ReadTimeoutH11Protocol(H11Protocol):
         self._read_timer = None
         if self.transport.is_closing():
             return
-        answered = self.conn.their_state is not h11.IDLE and self.cycle.response_started
+        reading_body = self.conn.their_state is not h11.IDLE and self.cycle is not None
+        answered = reading_body and self.cycle.response_started
         if not answered:
             message = (
                 f"The request did not arrive within {self.read_timeout_s:g}s; "
