@@ -67,3 +67,9 @@ perplexity *ARGS: setup
 # into third_party/.
 build-peer:
     bash tools/build_llama_server.sh
+
+# The native kernel tests on aarch64 under qemu-user emulation, once per build (aarch64+dotprod,
+# aarch64); installs qemu-user and the cross compiler when missing, caches an arm64 sysroot and
+# aarch64 wheels in ~/.cache/runtime-arm64. Args go to pytest, e.g. `just test-arm64 -k matches`.
+test-arm64 *ARGS:
+    bash tools/arm64_kernel_tests.sh {{ARGS}}

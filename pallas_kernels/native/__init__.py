@@ -88,9 +88,31 @@ def cpuinfo(*keys: str) -> str:
     return ""
 
 
+# Bits of the aarch64 Linux auxiliary vector's AT_HWCAP, by their /proc/cpuinfo names.
+_AT_HWCAP = 16
+_ARM_HWCAPS = (("fp", 0), ("asimd", 1), ("fphp", 9), ("asimdhp", 10), ("asimddp", 20))
+
+
+def _arm_hwcaps() -> frozenset[str]:
+    """The features of ``_ARM_HWCAPS`` that the kernel's AT_HWCAP gives this process (empty
+    where getauxval cannot be called)."""
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return frozenset()
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, (ctypes.c_ulong,)
+    bits = getauxval(_AT_HWCAP)
+    return frozenset(name for name, bit in _ARM_HWCAPS if bits >> bit & 1)
+
+
 def _cpu_features() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
-    return frozenset(cpuinfo("flags", "Features").split())
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none); on
+    aarch64 with those AT_HWCAP gives besides, which is what a process emulated by qemu-user
+    has: its /proc/cpuinfo is the host's."""
+    features = frozenset(cpuinfo("flags", "Features").split())
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        features |= _arm_hwcaps()
+    return features
 
 
 def _level(name: str, march: str, extensions: tuple, features: frozenset[str]) -> Isa:

@@ -86,6 +86,16 @@ def test_a_lower_build_on_request_and_one_the_cpu_lacks_refused(
     assert best.name == "x86-64-v3" and "x86-64-v3+avxvnni is not a build" in caplog.text
 
 
+@pytest.mark.skipif(
+    sys.platform != "linux" or native.platform.machine() != "aarch64", reason="aarch64 Linux only"
+)
+def test_aarch64_features_come_from_hwcap_as_well() -> None:
+    """AT_HWCAP names the features also where /proc/cpuinfo is another machine's (qemu-user
+    shows the host's)."""
+    hwcaps = native._arm_hwcaps()
+    assert {"fp", "asimd"} <= hwcaps <= native._cpu_features()
+
+
 LEVEL_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from jax_llm_runtime.pallas_kernels import native
