@@ -111,7 +111,12 @@ fi
 
 # 4. The tests, once per build.
 export QEMU_LD_PREFIX="$SYSROOT" QEMU_CPU=max
-export PYTHONPATH="$SITE:$ROOT" CXX=aarch64-linux-gnu-g++ RUNTIME_CACHE_DIR="$CACHE/runtime"
+# The checkout's folders under the package's one import name (the wheel's layout), and the
+# checkout itself for the tests' own imports.
+PKG="$CACHE/pkg"
+mkdir -p "$PKG/jax_llm_runtime"
+for part in api runtime models pallas_kernels; do ln -sfn "$ROOT/$part" "$PKG/jax_llm_runtime/$part"; done
+export PYTHONPATH="$SITE:$PKG:$ROOT" CXX=aarch64-linux-gnu-g++ RUNTIME_CACHE_DIR="$CACHE/runtime"
 export PYTHONDONTWRITEBYTECODE=1
 # The interpreter as a script that starts it under qemu, so that sys.executable runs too: tests
 # start subprocesses with it, and without binfmt_misc the host cannot exec an aarch64 binary.
@@ -128,7 +133,7 @@ for build in $BUILDS; do
   start=$(date +%s)
   RUNTIME_NATIVE_ISA="$build" "$py" -c '
 import os, platform, sys
-from pallas_kernels import native
+from jax_llm_runtime.pallas_kernels import native
 wanted, isa = os.environ["RUNTIME_NATIVE_ISA"], native.cpu_isa()
 assert platform.machine() == "aarch64", platform.machine()
 assert isa.name == wanted, f"asked for {wanted}, building {isa.name} (levels {native.levels_here()})"
