@@ -333,13 +333,7 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
 def _add_device_flags(group: argparse._ArgumentGroup) -> None:
     """Which devices run the model, and how it is split over them (tensor, data and expert parallelism)."""
     add = group.add_argument
-    add(
-        "--cpu",
-        dest="device",
-        action="store_const",
-        const="cpu",
-        help="same as --device cpu",
-    )
+    add("--cpu", dest="device", action="store_const", const="cpu", help="same as --device cpu")
     add(
         "--device",
         choices=("cpu", "gpu", "tpu", "metal"),
