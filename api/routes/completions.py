@@ -165,14 +165,11 @@ async def _start_all(
 ) -> list[Generation]:
     """``n`` generations per prompt, in choice order, all prompts submitted at once; when one
     cannot start, the others are closed (their sequences aborted) before its error goes out."""
-    if len(prompts) == 1:
-        return await start_generation(
-            engine, request, prompts[0].ids, prompts[0].sampling, request_id, metrics, n
-        )
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{i}" for i in range(len(prompts))]
     results = await asyncio.gather(
         *(
-            start_generation(engine, request, p.ids, p.sampling, f"{request_id}-p{i}", metrics, n)
-            for i, p in enumerate(prompts)
+            start_generation(engine, request, p.ids, p.sampling, rid, metrics, n)
+            for p, rid in zip(prompts, ids, strict=True)
         ),
         return_exceptions=True,
     )

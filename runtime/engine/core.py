@@ -471,14 +471,10 @@ class _RequestStream:
         text = self._decoder.push(shown)
         if reason is not None:
             text += self._decoder.flush()  # a trailing incomplete character, if any
-        text, logprobs = self._text.feed(text, tuple(out.logprobs))
-        if self._text.stopped:
-            if reason is None:  # the sequence ends here: its pages are freed at once
-                self._engine._post("abort", self._seq.request_id)
-            reason = FinishReason.STOP
-        elif reason is not None:
-            held, more = self._text.finish()
-            text, logprobs = text + held, logprobs + more
+        text, logprobs, final = self._text.delta(text, tuple(out.logprobs), reason)
+        if final is not None and reason is None:  # a stop string: the sequence ends here
+            self._engine._post("abort", self._seq.request_id)  # and its pages are freed at once
+        reason = final
         self._finished = reason is not None
         return GenerationDelta(
             token_ids=tuple(out.token_ids),

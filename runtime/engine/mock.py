@@ -248,14 +248,12 @@ class MockEngine:
                 if reason is None and step + 1 == limit:
                     reason = FinishReason.LENGTH
                 logprobs = _mock_logprobs(token, sampling.logprobs)
-                text, logprobs = output.feed(text, logprobs)
-                if output.stopped:
-                    if reason is None:  # the sequence ends here, aborted as the engine does
-                        self._record_abort(request_id)
-                    reason = FinishReason.STOP
-                elif reason is not None:
-                    held, more = output.finish()
-                    text, logprobs = text + held, logprobs + more
+                text, logprobs, final = output.delta(text, logprobs, reason)
+                if (
+                    final is not None and reason is None
+                ):  # a stop string, aborted as the engine does
+                    self._record_abort(request_id)
+                reason = final
                 finished = reason is not None
                 yield GenerationDelta((token,), text, num_prompt, step + 1, reason, logprobs)
                 if finished:

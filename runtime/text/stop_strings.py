@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from jax_llm_runtime.runtime.engine.request import TokenLogprobs
+from jax_llm_runtime.runtime.engine.request import FinishReason, TokenLogprobs
 
 
 class StopStringMatcher:
@@ -120,6 +120,19 @@ class OutputText:
         if self._matcher.stopped:
             return out, self._aligner.cut(len(out))
         return out, self._aligner.release(len(out)) if out else ()
+
+    def delta(
+        self, text: str, logprobs: tuple[TokenLogprobs, ...], reason: FinishReason | None
+    ) -> tuple[str, tuple[TokenLogprobs, ...], FinishReason | None]:
+        """One delta's text, logprobs and finish reason as handed out: "stop" where a stop string
+        matched, and what was held back released where generation ended otherwise."""
+        text, logprobs = self.feed(text, logprobs)
+        if self.stopped:
+            return text, logprobs, FinishReason.STOP
+        if reason is not None:
+            held, more = self.finish()
+            return text + held, logprobs + more, reason
+        return text, logprobs, None
 
     def finish(self) -> tuple[str, tuple[TokenLogprobs, ...]]:
         """Generation ended without a stop string: the held-back text and every held logprob."""
