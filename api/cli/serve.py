@@ -300,13 +300,14 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--matmul-dtype",
         choices=MATMUL_DTYPES,
         default="auto",
-        help="operands of the quantized projections' matmuls: auto = the model dtype; bfloat16 "
-        "= activations rounded to bfloat16, products summed in float32, except when one "
+        help="operands of the quantized projections' matmuls: model = the model dtype; "
+        "bfloat16 = activations rounded to bfloat16, products summed in float32, except when one "
         "sequence decodes alone: about 1.5x faster prefill and batched decode on CPUs with "
         "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
         "batched with; int8 = activations rounded to int8 blocks of 32 as llama.cpp rounds "
-        "them, multiplied with integer (VNNI) dots by the native CPU kernel, same exception "
-        "(default: %(default)s)",
+        "them (a lone row too), multiplied with integer dots by the native CPU kernel; auto = "
+        "int8 on CPUs whose native kernels have integer dot products (AVX-512 VNNI, AVX-VNNI, "
+        "Arm dotprod), else model (default: %(default)s)",
     )
     add(
         "--fp8-kvcache",
@@ -319,8 +320,9 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--decode-steps",
         type=_int_at_least(0),
         default=0,
-        help="tokens generated per decode call when no request waits (multi-step decode); "
-        "0 = 1 on CPU, 8 on accelerators (default: %(default)s)",
+        help="tokens generated per decode call when no request waits (multi-step decode: "
+        "streams get tokens in bursts of that many); 0 = 4 on CPU, 8 on accelerators; 1 streams "
+        "every token as it is sampled (default: %(default)s)",
     )
     add(
         "--seed",

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
+from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from jax_llm_runtime.runtime.config import EngineConfig
@@ -38,6 +40,9 @@ from jax_llm_runtime.runtime.parallel.sharding import (
 from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+# Tokens per decode call on CPU when nothing else waits: one dispatch and one host round trip
+# for four tokens (BENCHMARKS.md: ~1 ms of host work per call, ~14% of a lone stream's token).
+CPU_DECODE_STEPS = 4
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
@@ -100,10 +105,11 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     spec, model_config = model_config_from_hf(checkpoint.config)
     if config.isq is not None:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
-    if config.matmul_dtype != "auto":
-        model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
     model_config = with_expert_offload(model_config, config)
     model_config = with_native_kernels(model_config, config.tensor_parallel_size)
+    model_config = dataclasses.replace(
+        model_config, operand_dtype=operand_dtype(config.matmul_dtype, model_config)
+    )
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
@@ -148,7 +154,9 @@ def _build_replica(
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
-    decode_steps = config.decode_steps or (1 if jax.default_backend() == "cpu" else 8)
+    decode_steps = config.decode_steps or (
+        CPU_DECODE_STEPS if jax.default_backend() == "cpu" else 8
+    )
     runner = ModelRunner(
         spec,
         model_config,
@@ -235,6 +243,32 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     if allowed and not calibration.calibrate():
         logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
     return dataclasses.replace(model_config, native_kernels=allowed)
+
+
+def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:
+    """The quantized projections' operands for ``--matmul-dtype`` (``models.layers.linear``):
+    "model" is the model dtype (None); "auto" is int8 where the native CPU kernels run and their
+    build has integer dot products (``native.integer_dots``: there int8 activations, rounded as
+    llama.cpp rounds them and as accurate, multiply fastest), else the model dtype. ``--isq
+    int8``'s weights are not packed and multiply int8 activations only more slowly, so auto
+    leaves them alone."""
+    if matmul_dtype != "auto":
+        return None if matmul_dtype == "model" else matmul_dtype
+    int8 = (
+        model_config.native_kernels
+        and model_config.quantization != "int8"
+        and native_dequant.available()
+        and native.integer_dots()
+    )
+    choice = "int8" if int8 else None
+    logger.info(
+        "matmul operands: %s (--matmul-dtype auto: %s)",
+        "int8 activations" if int8 else "the model dtype",
+        f"{native.cpu_isa().name} has integer dot products"
+        if int8
+        else "int8 activations only where native CPU kernels with integer dot products run",
+    )
+    return choice
 
 
 def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:
