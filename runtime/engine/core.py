@@ -36,6 +36,7 @@ from jax_llm_runtime.runtime.engine.request import (
     SamplingParams,
     StepOutput,
     TokenLogprobs,
+    check_context,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.engine.sequence import Sequence
@@ -249,14 +250,8 @@ class Engine:
             raise SamplingFieldError(
                 "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        check_context(self.max_model_len, len(prompt), sampling.max_tokens)
         requested = len(prompt) + sampling.max_tokens
-        if requested > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {requested} tokens ({len(prompt)} in the messages, "
-                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            )
         # Beyond the whole KV cache a sequence would wait for pages forever.
         page_size, num_pages = self.scheduler.page_size, self.scheduler.allocator.num_pages
         if -(-requested // page_size) > num_pages:
