@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from jax_llm_runtime.runtime.engine.scheduler import Scheduler
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
+from jax_llm_runtime.runtime.loading.xla_cache import enable_compilation_cache
 from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
 from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
     log_expert_offload,
@@ -43,14 +43,6 @@ logger = logging.getLogger(__name__)
 # Tokens per decode call on CPU when nothing else waits: one dispatch and one host round trip
 # for four tokens (BENCHMARKS.md: ~1 ms of host work per call, ~14% of a lone stream's token).
 CPU_DECODE_STEPS = 4
-
-
-def enable_compilation_cache(cache_dir: Path) -> None:
-    """Persist compiled executables so a second start skips XLA compilation."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
