@@ -32,6 +32,7 @@ from jax_llm_runtime.runtime.engine.model_runner import ModelRunner, StepResult
 from jax_llm_runtime.runtime.engine.request import (
     FinishReason,
     GenerationDelta,
+    OutputError,
     SamplingFieldError,
     SamplingParams,
     StepOutput,
@@ -458,6 +459,16 @@ class _RequestStream:
         except BaseException:
             await self.aclose()
             raise
+        try:
+            return self._delta(out)
+        except Exception as exc:  # detokenizing or matching stop strings: this request alone
+            await self.aclose()
+            raise OutputError(
+                f"request {self._seq.request_id}: its tokens could not be turned into text "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _delta(self, out: StepOutput) -> GenerationDelta:
         self._num_output += len(out.token_ids)
         reason = out.finish_reason
         # The EOS or stop token that ended the sequence counts as output but is not text (as in

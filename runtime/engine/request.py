@@ -22,6 +22,11 @@ class SamplingFieldError(ValueError):
         self.param = param
 
 
+class OutputError(RuntimeError):
+    """A request's sampled tokens could not be turned into text (a detokenizer or stop-string
+    failure): a server-side fault of that request alone; its sequence is aborted."""
+
+
 class ContextLengthError(ValueError):
     """A prompt and its completion budget do not fit the model's context (``check_context``)."""
 
