@@ -2,7 +2,8 @@
 
 ``InferenceEngine.builder().model_id("smollm2-135m-instruct").device("cpu").max_num_seqs(4)
 .max_model_len(512).kvcache_mem(64).build()`` collects the settings, validates them as an
-``EngineConfig`` (``config()``, without loading anything) and builds the engine (``build()``).
+``EngineConfig`` (``config()``, without loading anything) and builds the engine (``build()``),
+or writes the loaded model as a prepared checkpoint instead (``save_prepared(directory)``).
 Settings without a method of their own go through ``option(name, value)``.
 """
 
