@@ -35,11 +35,13 @@ SMALL = dict(max_num_seqs=4, max_model_len=128, kvcache_mem_mb=4, dtype="float32
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with random weights and a byte tokenizer, as an HF folder."""
+    """A tiny Llama with random weights and a byte tokenizer, as an HF folder; its 8 heads and 4
+    KV heads split over 4 devices."""
     import transformers
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = {**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256, "eos_token_id": None}
+    config |= {"num_attention_heads": 8, "num_key_value_heads": 4}
     save_random_model(transformers.LlamaConfig(**config), folder)
     save_byte_tokenizer(folder)
     (folder / "generation_config.json").write_text('{"temperature": 0.5}')
@@ -154,7 +156,7 @@ def test_weights_orbax_cannot_read_are_a_clean_error(prepared: Path, tmp_path: P
     copy = _copy(prepared, tmp_path)
     manifest = json.loads((copy / PREPARED_MANIFEST).read_text())
     # A file the size check does not know about was damaged: orbax's own error, as one line.
-    metadata = next(name for name in manifest["files"] if name.endswith("_METADATA"))
+    metadata = "weights/_METADATA"  # orbax's description of the stored tree
     (copy / metadata).write_text("x" * manifest["files"][metadata])
     assert "cannot restore the weights" in _error(copy)
 
