@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,17 @@ def load_prepared(config: EngineConfig, files: ModelFiles, packed: bool = True) 
     config = _prepared_config(folder, manifest, config)
     hf_config = _read_json_object(folder / CONFIG)
     spec, model_config = configure_model(config, hf_config)  # an unsupported architecture: here
-    tokenizer = _load_tokenizer(folder, manifest["eos_token_ids"])
     operands = (manifest["operand_dtype"], getattr(model_config, "operand_dtype", None))
-    weights = _restore(folder, manifest["tree"], operands, _first_mesh(config))
-    dtype = resolve_dtype(config.dtype)
+    # The tokenizer (mostly JSON parsing) loads while orbax reads the arrays.
+    with ThreadPoolExecutor(1) as pool:
+        tokenizer = pool.submit(_load_tokenizer, folder, manifest["eos_token_ids"])
+        weights = _restore(folder, manifest["tree"], operands, _first_mesh(config))
+        dtype = resolve_dtype(config.dtype)
+        loaded = LoadedModel(
+            files, spec, model_config, weights, tokenizer.result(), dtype, hf_config
+        )
     logger.info("restored prepared checkpoint %s (%s)", folder, manifest["source"])
-    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype, hf_config)
+    return loaded
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -212,8 +218,12 @@ def _restore(folder: Path, skeleton: Skeleton, operands: tuple[Any, Any], mesh: 
     try:
         skeleton = with_static(skeleton, "operand_dtype", *operands)
         target = abstract_arrays(skeleton, sharding_for)
-        with ocp.StandardCheckpointer() as checkpointer:
-            arrays = checkpointer.restore((folder / WEIGHTS).absolute(), target)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        with _checkpointer() as checkpointer:
+            arrays = checkpointer.restore(
+                (folder / WEIGHTS).absolute(),
+                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+            )
         # Where orbax placed an array elsewhere (another memory kind), it moves once.
         arrays = jax.tree.map(_placed_as, arrays, target)
         return assemble(skeleton, arrays)
@@ -229,13 +239,20 @@ def _placed_as(array: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.device_put(array, target.sharding)
 
 
+def _checkpointer() -> Any:
+    """orbax's synchronous checkpointer of pytrees, writing uncompressed: float weights and
+    packed codes hardly compress, and zstd made a 660 MB restore take twice as long."""
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+
+
 def _write_arrays(path: Path, arrays: dict[str, Any]) -> None:
     import orbax.checkpoint as ocp
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, arrays)
-        checkpointer.wait_until_finished()
+    with _checkpointer() as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(arrays))
 
 
 def _write_model_files(folder: Path, model: LoadedModel) -> None:
