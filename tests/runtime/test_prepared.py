@@ -117,6 +117,33 @@ def test_quantized_weights_round_trip(source: Path, tmp_path: Path, isq: str) ->
         assert _tokens(path) == _tokens(source, isq=isq)
 
 
+def test_offloaded_experts_restore_into_pinned_host_memory(tmp_path: Path) -> None:
+    import transformers
+
+    config = {**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256, "eos_token_id": None}
+    hf = transformers.Qwen2MoeConfig(
+        **config,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+    save_random_model(hf, tmp_path / "moe")
+    save_byte_tokenizer(tmp_path / "moe")
+    fields = dict(SMALL, isq="q4_0", num_experts_offload_per_rank=2)
+    source = EngineConfig(model_id=str(tmp_path / "moe"), **fields)
+    path = save_prepared(source, tmp_path / "moe-prepared")
+    loaded = load_model(source).weights
+    restored = load_model(EngineConfig(model_id=str(path), **fields)).weights
+    _same_arrays(loaded, restored)
+    kinds = [
+        (a.sharding.memory_kind, b.sharding.memory_kind)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(restored), strict=True)
+    ]
+    assert all(a == b for a, b in kinds) and ("pinned_host", "pinned_host") in kinds
+    assert "--num-experts-offload-per-rank 2, not 0" in _error(path, isq="q4_0")
+
+
 def _copy(prepared: Path, tmp_path: Path) -> Path:
     import shutil
 
