@@ -183,8 +183,9 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         help="load the model as serving would (converted, --isq quantized, split by "
         "--tensor-parallel-size), write it to the new folder DIR with orbax-checkpoint, and "
         "exit without serving; --model-id DIR then restores it onto the devices without "
-        "converting or quantizing again (the same --tensor-parallel-size, expert flags, "
-        "--dtype and --isq, which may be left out) (default: off)",
+        "converting or quantizing again (--dtype and --isq may be left out; given, they, "
+        "--tensor-parallel-size and the expert flags must be those DIR was prepared with) "
+        "(default: off)",
     )
     group.add_argument(
         "--models-config",
