@@ -117,6 +117,16 @@ def test_quantized_weights_round_trip(source: Path, tmp_path: Path, isq: str) ->
         assert _tokens(path) == _tokens(source, isq=isq)
 
 
+def test_matmul_operands_follow_the_restoring_flags(source: Path, tmp_path: Path) -> None:
+    config = EngineConfig(model_id=str(source), isq="q4_0", matmul_dtype="model", **SMALL)
+    path = save_prepared(config, tmp_path / "q4_0")
+    for matmul_dtype, operands in (("model", None), ("bfloat16", "bfloat16")):
+        fields = dict(SMALL, matmul_dtype=matmul_dtype)
+        weights = load_model(EngineConfig(model_id=str(path), **fields)).weights
+        packed = [w for w in weights["segments"][0].values() if isinstance(w, PackedWeight)]
+        assert packed and {w.operand_dtype for w in packed} == {operands}
+
+
 def test_offloaded_experts_restore_into_pinned_host_memory(tmp_path: Path) -> None:
     import transformers
 
