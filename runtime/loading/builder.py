@@ -84,17 +84,37 @@ class LoadedModel:
     weights: Any
     tokenizer: Tokenizer
     dtype: jnp.dtype  # the run dtype ("auto" resolved)
+    # the HF-style config the model config was translated from (a prepared checkpoint keeps it)
+    hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     """Model and tokenizer from ``config.model_id`` with its ``dtype`` and ``isq``. A checkpoint's
     quantized tensors (GGUF blocks, GPTQ, AWQ) stay packed unless ``packed`` is False, which
-    loads them as ``dtype`` floats."""
+    loads them as ``dtype`` floats. A prepared checkpoint is restored as it was prepared
+    (``runtime.loading.prepared``)."""
     enable_compilation_cache(cache_root() / "xla")
     files = resolve_model_source(config.model_id, config.weight_file)
+    if files.kind == "prepared":
+        # orbax is imported only for prepared checkpoints
+        from jax_llm_runtime.runtime.loading.prepared import load_prepared
+
+        return load_prepared(config, files, packed)
     checkpoint = load_checkpoint(files)
     # The architecture is checked before the (slow) tokenizer and weights are read.
-    spec, model_config = model_config_from_hf(checkpoint.config)
+    spec, model_config = configure_model(config, checkpoint.config)
+    tokenizer = load_tokenizer(files)
+    dtype = resolve_dtype(config.dtype)
+    tensors = checkpoint.tensors(packed=packed)
+    weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
+    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype, checkpoint.config)
+
+
+def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[ModelSpec, Any]:
+    """The architecture's spec and model config for an HF-style config dict, with ``config``'s
+    ``isq``, expert offload, native kernels and matmul operands applied. Raises ValueError (an
+    unsupported architecture, a malformed config)."""
+    spec, model_config = model_config_from_hf(hf_config)
     if config.isq is not None:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     model_config = with_expert_offload(model_config, config)
@@ -102,11 +122,7 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     model_config = dataclasses.replace(
         model_config, operand_dtype=operand_dtype(config.matmul_dtype, model_config)
     )
-    tokenizer = load_tokenizer(files)
-    dtype = resolve_dtype(config.dtype)
-    tensors = checkpoint.tensors(packed=packed)
-    weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
-    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype)
+    return spec, model_config
 
 
 def build_engine(config: EngineConfig) -> Engine | DataParallelEngine:
@@ -134,7 +150,7 @@ def _build_replica(
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
-        weights = _split_over(mesh, model_config, weights, config.expert_parallel)
+        weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -187,7 +203,7 @@ def _build_replica(
     )
 
 
-def _split_over(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
+def place_on_mesh(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
     """The weights placed on the tensor-parallel mesh (heads must divide over its devices)."""
     attention = model_config.attention
     check_divisible(
