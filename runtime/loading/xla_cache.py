@@ -8,13 +8,20 @@ Here an entry is written to a temporary file beside it and renamed over the name
 see a whole entry or none, and a put always replaces: JAX only puts after a compile, which
 happens only when the entry was missing or unreadable, so an unreadable one heals on the next
 start that needs it.
+
+Reading entries is serialized within a process: a CI run died of SIGSEGV with two compile
+threads inside jaxlib's ``deserialize_executable`` at once (not reproduced here in 600 rounds of
+8 threads, so the race is rare, but it kills the server). A read takes milliseconds against a
+compile's seconds, so compiles stay parallel and only the loading of cached ones queues.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ def enable_compilation_cache(cache_dir: Path) -> None:
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(cache_dir)
     _atomic_puts()
+    _serial_reads()
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -59,6 +67,28 @@ def write_atomically(path: Path, value: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_read_lock = threading.Lock()
+
+
+def _serial_reads() -> None:
+    """Let one thread at a time load an executable from the cache (see the module's note)."""
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    read = getattr(compilation_cache, "get_executable_and_time", None)
+    if read is None or getattr(read, "serialized", False):
+        return
+
+    @functools.wraps(read)
+    def serialized_read(*args: Any, **kwargs: Any) -> Any:
+        with _read_lock:
+            return read(*args, **kwargs)
+
+    serialized_read.serialized = True  # type: ignore[attr-defined]
+    compilation_cache.get_executable_and_time = serialized_read
 
 
 def _atomic_puts() -> None:

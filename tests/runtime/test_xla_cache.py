@@ -58,3 +58,57 @@ def test_stale_temporary_files_are_cleared(tmp_path: Path) -> None:
     os.utime(stale, (an_hour_ago, an_hour_ago))
     _run(tmp_path)
     assert not stale.exists() and fresh.exists()
+
+
+THREADS = r"""
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import jax, jax.numpy as jnp
+from jax._src import compilation_cache
+from jax_llm_runtime.runtime.loading.xla_cache import enable_compilation_cache
+
+inside, most, hits = 0, 0, 0
+guard = threading.Lock()
+read = compilation_cache.get_executable_and_time
+
+def watched(*args, **kwargs):
+    global inside, most, hits
+    with guard:
+        inside += 1
+        most = max(most, inside)
+    time.sleep(0.05)  # widen the window two unserialized readers would share
+    try:
+        out = read(*args, **kwargs)
+        hits += out[0] is not None
+        return out
+    finally:
+        with guard:
+            inside -= 1
+
+compilation_cache.get_executable_and_time = watched
+enable_compilation_cache(Path(sys.argv[1]))
+
+def compile_one(n):
+    return jax.jit(lambda x: jnp.tanh(x) * n).lower(jnp.ones((n,))).compile()
+
+for _ in range(2):  # the first round writes the entries, the second loads them
+    jax.clear_caches()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(compile_one, range(1, 9)))
+print(most, hits)
+"""
+
+
+def test_threads_load_cached_executables_one_at_a_time(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", THREADS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    most, hits = map(int, result.stdout.split())
+    assert hits >= 8, "the second round did not load the first round's entries"
+    assert most == 1
