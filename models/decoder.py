@@ -173,7 +173,8 @@ class Decoder(nnx.Module):
         quantized: Collection[str] = (),
         packed_head: bool = False,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
+        self.quantized, self.packed_head = frozenset(quantized), packed_head
         h = cfg.hidden_size
         self.embed = Embed(cfg.vocab_size, h, dtype, cfg.embed_scale)
         self.segments = nnx.List([Segment(cfg, *run, dtype, quantized) for run in cfg.segments])
@@ -183,6 +184,11 @@ class Decoder(nnx.Module):
         head = (h, cfg.vocab_size), (EMBED, VOCAB), dtype, "lm_head", bias
         packed = ("lm_head",) if packed_head else ()
         self.lm_head = projection((), *head, packed) if not tied or packed_head else None
+
+    def redeclared(self, cfg: DecoderConfig) -> Decoder:
+        """The same model declared from ``cfg`` (abstract parameters): ``cfg`` may change run
+        settings, not what is declared."""
+        return Decoder(cfg, self.dtype, self.quantized, self.packed_head)
 
     def __call__(
         self, cache: KVCache, batch: StepBatch

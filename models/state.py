@@ -36,11 +36,12 @@ class ModelWeights(Mapping[str, Any]):
 
     def model(self, cfg: Any = None) -> Any:
         """The module, merged from the graph definition and the state (inside jit: traced
-        values). ``cfg``, when given, replaces the model's config: the config the weights were
-        loaded with, or one with other run settings (``native_kernels``)."""
+        values). With a ``cfg`` other than the module's (the same model with other run
+        settings: ``native_kernels``, a KV rounding), the module is declared again from it
+        (``redeclared``) and merged with the same state."""
         model = nnx.merge(self.graphdef, self.state)
-        if cfg is not None:
-            model.cfg = cfg
+        if cfg is not None and cfg != model.cfg:
+            model = nnx.merge(nnx.graphdef(model.redeclared(cfg)), self.state)
         return model
 
     def variables(self) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
