@@ -6,8 +6,8 @@ kernel that the checkpoint (or ``--isq``) gives packed, and ``projection`` picks
 Both call ``linear``.
 
 ``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``, and so
-does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the decoder's layer scan hands
-over whole where native CPU kernels may run (``models.decoder``).
+does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the layer scan hands over
+whole where native CPU kernels may run (``Segment.scan``, ``models.layers.decoder_layer``).
 
 ``QuantizedWeight`` is int8 weight-only quantization with one float32 scale per output channel
 (symmetric, round to nearest): ``w ~= q * scale``. XLA:CPU widens int8 to the compute dtype in a

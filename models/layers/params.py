@@ -11,7 +11,7 @@ allocated) whose metadata carries
   axes);
 - ``field``: the name the architecture's checkpoint rules map tensors onto (``models.weights``).
 
-The loader fills the declared values from the checkpoint (``models.decoder.load``); the engine
+The loader fills the declared values from the checkpoint (``models.checkpoint.load``); the engine
 then holds ``nnx.split``'s graph definition (static) and state (the arrays), and jits pure
 functions over the state.
 

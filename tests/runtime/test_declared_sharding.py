@@ -73,3 +73,30 @@ def test_mesh_placement_follows_the_declared_axes(placed: dict) -> None:
 def test_changing_a_declaration_moves_the_weight(placed: dict) -> None:
     assert placed["renamed"]["final_norm"]["spec"] == ["tp"]
     assert placed["llama/ep=False"]["final_norm"]["spec"] == [None]
+
+
+def test_packed_projections_are_quantized_linear_modules(tmp_path) -> None:
+    import dataclasses
+
+    import numpy as np
+    import transformers
+
+    from jax_llm_runtime.models.layers.linear import Linear, QuantizedLinear
+    from jax_llm_runtime.models.registry import model_config_from_hf
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+    from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+    from tests.models.harness import TINY, save_random_model
+
+    save_random_model(transformers.LlamaConfig(**TINY), tmp_path)
+    checkpoint = load_hf_checkpoint(tmp_path)
+    spec, config = model_config_from_hf(checkpoint.config)
+    config = dataclasses.replace(config, quantization="q4_0")
+    weights = spec.load(config, checkpoint.tensors(packed=True), np.float32)
+    model = weights.model()
+    attn = model.segments[0].layers.attn
+    assert isinstance(attn.wq, QuantizedLinear) and isinstance(
+        attn.wq.kernel.get_value(), PackedWeight
+    )
+    assert attn.wq.kernel.get_value().shape == (2, 64, 64)  # the declared [layers, in, out]
+    assert type(model.lm_head) is Linear  # the LM head stays float
+    assert weights["segments"][0]["wq"] is not None and "lm_head" in weights
