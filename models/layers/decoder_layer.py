@@ -140,7 +140,7 @@ class Segment(nnx.Module):
         dtype: jnp.dtype,
         quantized: Collection[str] = (),
     ) -> None:
-        self.start, self.end, self.is_moe = start, end, is_moe
+        self.start, self.end = start, end
         self.layers = DecoderLayer(cfg, (end - start,), is_moe, dtype, quantized)
 
     def scan(
