@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,19 @@ class Decoder(nnx.Module):
         head = (h, cfg.vocab_size), (EMBED, VOCAB), dtype, "lm_head", bias
         packed = ("lm_head",) if packed_head else ()
         self.lm_head = projection((), *head, packed) if not tied or packed_head else None
+
+    def declaration(self) -> dict[str, Any]:
+        """What declared this model besides its config, as JSON (a prepared checkpoint keeps
+        it beside the state: ``declared``)."""
+        quantized = sorted(self.quantized)
+        return {"dtype": jnp.dtype(self.dtype).name, "quantized": quantized,
+                "packed_head": self.packed_head}  # fmt: skip
+
+    @classmethod
+    def declared(cls, cfg: DecoderConfig, declaration: dict[str, Any]) -> Decoder:
+        """The model of ``cfg`` declared as ``declaration`` says (abstract parameters)."""
+        dtype, quantized = jnp.dtype(declaration["dtype"]), frozenset(declaration["quantized"])
+        return cls(cfg, dtype, quantized, bool(declaration["packed_head"]))
 
     def redeclared(self, cfg: DecoderConfig) -> Decoder:
         """The same model declared from ``cfg`` (abstract parameters): ``cfg`` may change run

@@ -12,11 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
 # auto: the model dtype; a float dtype: that one; fp8*: e4m3 + row scales
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
-MATMUL_DTYPES = (
-    "auto",
-    "bfloat16",
-    "int8",
-)  # quantized projections' operands; auto: the model dtype
+# quantized projections' operands; auto: int8 on CPUs with integer dots, else the model dtype
+MATMUL_DTYPES = ("auto", "model", "bfloat16", "int8")
 DEFAULT_MAX_WAITING = 256
 # prefill_chunk_size 0 (no chunking, as in candle-vllm) becomes this: a chunk longer than any
 # context, so each prompt is prefilled in one step (the buckets and the scheduler cap a chunk at
@@ -40,15 +37,18 @@ class EngineConfig:
     prompt tokens one step processes for one sequence (chunked prefill); 0 turns chunking off
     (stored as ``UNCHUNKED_PREFILL``: the whole prompt in one step). decode_steps is how many
     tokens a decode call generates per sequence when no other work waits (multi-step decode: one
-    dispatch and one host round trip for several tokens); 0 picks 1 on CPU, where the step is
-    compute-bound, and 8 on accelerators, where dispatch dominates small models.
+    dispatch and one host round trip for several tokens); 0 picks 4 on CPU, where ~1 ms of host
+    work per call is felt by a lone stream, and 8 on accelerators, where dispatch dominates small
+    models. A stream then receives its tokens in bursts of that many.
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
     token and KV head; "float32", "float16" or "bfloat16" in that dtype; "auto" in the model
     dtype. matmul_dtype "bfloat16" multiplies
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
     models.layers.linear); "int8" rounds their activations to int8 blocks of 32 (llama.cpp's
-    rounding) and multiplies with integer dots in the native CPU kernel; "auto" multiplies in the
-    model dtype.
+    rounding) and multiplies with integer dots in the native CPU kernel; "model" multiplies in
+    the model dtype; "auto" is int8 where the native CPU kernels run with integer dot products
+    (AVX-512 VNNI, AVX-VNNI, Arm dotprod) and the model dtype elsewhere
+    (``runtime.loading.builder.operand_dtype``).
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.

@@ -17,12 +17,21 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf: Path):
-    """One started float32 engine on the real model, shared by the slow runtime tests."""
+    """One started float32 engine on the real model, shared by the slow runtime tests: float
+    operands throughout (``matmul_dtype="model"``), the numbers HF transformers computes. The
+    default int8 activations of CPUs with integer dots have their own engine
+    (``tests/runtime/test_sampling_smollm2.py``)."""
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
-        EngineConfig(model_id=str(smollm2_gguf), max_num_seqs=8, max_model_len=512, dtype="float32")
+        EngineConfig(
+            model_id=str(smollm2_gguf),
+            max_num_seqs=8,
+            max_model_len=512,
+            dtype="float32",
+            matmul_dtype="model",
+        )
     )
     engine.start()
     yield engine

@@ -419,6 +419,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--num-requests", type=int, help="requests per level (default: max(8, 2 * concurrency))"
     )
     p.add_argument(
+        "--batch",
+        type=int,
+        help="candle-vllm's examples/benchmark.py: that many requests at once, one level "
+        "(= --concurrency N --num-requests N)",
+    )
+    p.add_argument(
         "--endpoint",
         choices=sorted(ENDPOINT_PATHS),
         default="chat",
@@ -442,6 +448,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-len",
         "--max-tokens",
+        "--max_tokens",
         dest="output_len",
         type=int,
         default=128,
@@ -461,6 +468,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _build_parser()
     args = p.parse_args(argv)
+    if args.batch is not None:
+        if args.batch < 1:
+            p.error("--batch must be positive")
+        args.concurrency, args.num_requests = [args.batch], args.batch
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency needs positive integers, e.g. 1,4,16")
     if args.num_requests is not None and args.num_requests < 1:

@@ -58,13 +58,68 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV),
         help=f"bearer token (default: ${API_KEY_ENV}, else none)",
     )
+    add(
+        "--port",
+        type=int,
+        default=None,
+        help="the server's port on localhost, as candle-vllm's examples/chat.py takes it "
+        "(sets --url to http://localhost:PORT/v1)",
+    )
     add("--model", default=None, help="model name (default: the first of GET /models)")
-    add("--system", default=None, help="a system message that opens every chat (default: none)")
+    add(
+        "--system",
+        "--system_prompt",
+        dest="system",
+        default=None,
+        help="a system message that opens every chat (default: none)",
+    )
     add("--temperature", type=float, default=None, help="(default: the server's)")
-    add("--top-p", type=float, default=None, help="(default: the server's)")
-    add("--top-k", type=int, default=None, help="(default: the server's)")
-    add("--max-tokens", type=int, default=None, help="per reply (default: the server's)")
+    # candle-vllm's examples/chat.py spells these with underscores; both spellings work.
+    for flag, kind in SAMPLING_FLAGS:
+        dest = flag.replace("-", "_")
+        add(
+            f"--{flag}",
+            f"--{dest}",
+            dest=dest,
+            type=kind,
+            default=None,
+            help="(default: the server's)",
+        )
+    add(
+        "--thinking",
+        type=_bool,
+        default=None,
+        help="true/false: a reasoning model thinks first or not (the request's enable_thinking; "
+        "default: the model's template)",
+    )
+    # examples/chat.py's display options; replies here always stream as plain text.
+    add("--stream", action="store_true", help="accepted for candle-vllm's chat.py; always on")
+    add("--live", action="store_true", help=argparse.SUPPRESS)
+    add("--frequency", type=int, default=None, help=argparse.SUPPRESS)
+    add("--context_cache", type=_bool, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+# (flag, type) of the sampling settings sent with every turn when given.
+SAMPLING_FLAGS = (
+    ("top-p", float),
+    ("top-k", int),
+    ("min-p", float),
+    ("max-tokens", int),
+    ("frequency-penalty", float),
+    ("presence-penalty", float),
+    ("repeat-last-n", int),
+)
+
+
+def _bool(text: str) -> bool:
+    """click's spellings of a boolean option value."""
+    value = text.strip().lower()
+    if value in ("1", "true", "t", "yes", "y", "on"):
+        return True
+    if value in ("0", "false", "f", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 class ReplyRenderer:
@@ -137,11 +192,12 @@ class ChatSession:
         self._client = client
         self._model = model
         self._system = args.system
-        self._sampling = {
-            name: value
-            for name in ("temperature", "top_p", "top_k", "max_tokens")
-            if (value := getattr(args, name)) is not None
+        names = ["temperature", *(flag.replace("-", "_") for flag, _ in SAMPLING_FLAGS)]
+        self._sampling: dict[str, Any] = {
+            name: value for name in names if (value := getattr(args, name)) is not None
         }
+        if args.thinking is not None:
+            self._sampling["chat_template_kwargs"] = {"enable_thinking": args.thinking}
         self._out = out
         self._color = color
         self.history: list[dict[str, str]] = []
@@ -262,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    if args.port is not None:
+        args.url = f"http://localhost:{args.port}/v1"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     out = sys.stdout
     if sys.stdin.isatty():

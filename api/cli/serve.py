@@ -7,7 +7,9 @@
    candle-vllm's spellings are accepted too (``resolve_compat_flags``): flags that mean the
    same map onto ours; those that cannot mean anything here print one
    ``runtime-serve: warning: ...`` line each, once the flags are known to be valid.
-2. Build the engines (resolve and load each model; errors: one line, exit status 1).
+2. Build the engines (resolve and load each model; errors: one line, exit status 1). With
+   ``--save-prepared DIR`` the model is loaded, written to DIR as a prepared checkpoint
+   (``runtime.loading.prepared``) and the process exits with status 0 instead of serving.
 3. Serve ``create_app(models)`` with uvicorn; the app's lifespan connects the MCP servers of
    ``--mcp-config`` (a failure: one line, exit status 1) and starts the engines (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
@@ -171,7 +173,19 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         "--m",
         default=None,
         help="a packaged alias (smollm2-135m-instruct, gemma3-270m), a local HF-layout folder, "
-        f"a local .gguf file, or a Hugging Face repo id (default: {DEFAULT_MODEL_ID})",
+        "a local .gguf file, a Hugging Face repo id, or a folder written by --save-prepared "
+        f"(default: {DEFAULT_MODEL_ID})",
+    )
+    group.add_argument(
+        "--save-prepared",
+        default=None,
+        metavar="DIR",
+        help="load the model as serving would (converted, --isq quantized, split by "
+        "--tensor-parallel-size), write it to the new folder DIR with orbax-checkpoint, and "
+        "exit without serving; --model-id DIR then restores it onto the devices without "
+        "converting or quantizing again (--dtype and --isq may be left out; given, they, "
+        "--tensor-parallel-size and the expert flags must be those DIR was prepared with) "
+        "(default: off)",
     )
     group.add_argument(
         "--models-config",
@@ -300,13 +314,14 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--matmul-dtype",
         choices=MATMUL_DTYPES,
         default="auto",
-        help="operands of the quantized projections' matmuls: auto = the model dtype; bfloat16 "
-        "= activations rounded to bfloat16, products summed in float32, except when one "
+        help="operands of the quantized projections' matmuls: model = the model dtype; "
+        "bfloat16 = activations rounded to bfloat16, products summed in float32, except when one "
         "sequence decodes alone: about 1.5x faster prefill and batched decode on CPUs with "
         "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
         "batched with; int8 = activations rounded to int8 blocks of 32 as llama.cpp rounds "
-        "them, multiplied with integer (VNNI) dots by the native CPU kernel, same exception "
-        "(default: %(default)s)",
+        "them (a lone row too), multiplied with integer dots by the native CPU kernel; auto = "
+        "int8 on CPUs whose native kernels have integer dot products (AVX-512 VNNI, AVX-VNNI, "
+        "Arm dotprod), else model (default: %(default)s)",
     )
     add(
         "--fp8-kvcache",
@@ -319,8 +334,9 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--decode-steps",
         type=_int_at_least(0),
         default=0,
-        help="tokens generated per decode call when no request waits (multi-step decode); "
-        "0 = 1 on CPU, 8 on accelerators (default: %(default)s)",
+        help="tokens generated per decode call when no request waits (multi-step decode: "
+        "streams get tokens in bursts of that many); 0 = 4 on CPU, 8 on accelerators; 1 streams "
+        "every token as it is sampled (default: %(default)s)",
     )
     add(
         "--seed",
@@ -655,6 +671,13 @@ def _configure_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=LOG_LEVELS[args.log_level], handlers=[handler], force=True)
 
 
+def _start_logging(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    try:
+        _configure_logging(args)
+    except OSError as exc:
+        parser.error(f"cannot open log file {args.log}: {exc}")  # exits with status 2
+
+
 def _build_engine(config: EngineConfig, mock: bool) -> EngineClient:
     if mock:
         from jax_llm_runtime.runtime.engine.mock import MockEngine
@@ -709,6 +732,7 @@ def _checked_flags(
     one warning line for each candle-vllm flag that is ignored."""
     try:
         warnings = resolve_compat_flags(args)
+        _check_save_prepared(args)
         configs = _engine_configs(args)
         cluster = cluster_config(args)
         server_config(args)  # validate the service flags before loading anything
@@ -717,6 +741,38 @@ def _checked_flags(
     for warning in warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     return configs, cluster
+
+
+def _check_save_prepared(args: argparse.Namespace) -> None:
+    if args.save_prepared is None:
+        return
+    if args.models_config is not None:
+        raise ValueError("--save-prepared writes one model; it cannot be used with --models-config")
+    if args.mock_engine:
+        raise ValueError("--save-prepared needs a model; drop --mock-engine")
+
+
+def _save_prepared(config: EngineConfig, args: argparse.Namespace, cluster: ClusterConfig) -> int:
+    """``--save-prepared DIR``: load the model, write it to DIR and exit (status 0; an error is
+    one line and status 1). Every node of a multi-node run writes its own shards."""
+    from jax_llm_runtime.runtime.loading.prepared import save_prepared
+    from jax_llm_runtime.runtime.loading.sources import ModelSourceError
+    from jax_llm_runtime.runtime.parallel.multihost import ClusterError, finish, initialize
+    from jax_llm_runtime.runtime.platform import DeviceUnavailableError, select_platform
+
+    try:
+        initialize(cluster)
+        if args.device is not None:
+            select_platform(args.device)
+        path = save_prepared(config, args.save_prepared)
+    except (ModelSourceError, DeviceUnavailableError, ClusterError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finish(cluster)
+    print(f"Prepared {config.model_id} in {path}; serve it with --model-id {path}", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -729,10 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configs, cluster = _checked_flags(parser, args)
-    try:
-        _configure_logging(args)
-    except OSError as exc:
-        parser.error(f"cannot open log file {args.log}: {exc}")
+    _start_logging(parser, args)
+    if args.save_prepared is not None:
+        return _save_prepared(configs[0], args, cluster)
     from jax_llm_runtime.runtime.loading.sources import ModelSourceError
     from jax_llm_runtime.runtime.parallel.multihost import (
         ClusterError,

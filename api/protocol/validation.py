@@ -19,7 +19,7 @@ from jax_llm_runtime.api.protocol.bodies import (
     SamplingFields,
 )
 from jax_llm_runtime.api.protocol.errors import APIError, bad_request, not_supported
-from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.engine.request import ContextLengthError, SamplingParams, check_context
 
 T = TypeVar("T")
 
@@ -100,16 +100,12 @@ def check_top_logprobs(requested: int | None, cap: int, param: str) -> None:
         )
 
 
-def context_length_error(
-    max_model_len: int, prompt_len: int, completion_len: int, prompt_param: str, param: str
-) -> APIError:
-    """OpenAI's 400 for a prompt plus completion that does not fit the model's context."""
+def context_length_error(error: ContextLengthError, prompt_param: str) -> APIError:
+    """OpenAI's 400 for a prompt plus completion that does not fit the model's context: it names
+    the prompt when the prompt alone leaves no room, else ``max_tokens``."""
     return bad_request(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_len + completion_len} tokens ({prompt_len} in the {prompt_param}, "
-        f"{completion_len} in the completion). Please reduce the length of the {prompt_param} "
-        "or completion.",
-        param=param,
+        error.describe(prompt_param),
+        param=prompt_param if error.prompt_too_long else "max_tokens",
         code="context_length_exceeded",
     )
 
@@ -117,20 +113,18 @@ def context_length_error(
 def resolve_max_tokens(
     requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str
 ) -> int:
-    """The completion budget: ``requested``, or all the context the prompt leaves.
+    """The completion budget: ``requested``, or all the context the prompt leaves; checked by the
+    engine's own rule (``runtime.engine.request.check_context``) before anything is submitted.
 
     ``prompt_param`` ("messages" or "prompt") is named when the prompt alone leaves no room;
     ``max_tokens`` is named when only the requested budget does not fit.
     """
-    if prompt_len + 1 > max_model_len:
-        raise context_length_error(
-            max_model_len, prompt_len, requested or 1, prompt_param, prompt_param
-        )
-    if requested is None:
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
-        raise context_length_error(max_model_len, prompt_len, requested, prompt_param, "max_tokens")
-    return requested
+    budget = max_model_len - prompt_len if requested is None else requested
+    try:
+        check_context(max_model_len, prompt_len, budget)
+    except ContextLengthError as e:
+        raise context_length_error(e, prompt_param) from None
+    return budget
 
 
 def build_sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:

@@ -1,4 +1,10 @@
-"""Normalisation layers: RMSNorm, Gemma's RMSNorm (weight stored as an offset from 1), LayerNorm."""
+"""Normalisation layers: RMSNorm, Gemma's RMSNorm (weight stored as an offset from 1), LayerNorm.
+
+Their means are summed in one fixed order whatever the number of rows (``row_mean``): XLA:CPU
+vectorizes a reduction differently for 1, 2-4 and 16 rows, and the results then differ in the
+last bit. That alone made a request's greedy tokens depend on its batch once activations are
+rounded to int8 (``--matmul-dtype int8``), where a last-bit change can move a code.
+"""
 
 from __future__ import annotations
 
@@ -38,18 +44,33 @@ def apply_norm(
     xf = x.astype(jnp.float32)
     w = weight.astype(jnp.float32)
     if cfg.kind == "layer":
-        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
-        out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.eps) * w
+        xf = xf - row_mean(xf)
+        out = xf * jax.lax.rsqrt(row_mean(xf * xf) + cfg.eps) * w
         if bias is not None:
             out = out + bias.astype(jnp.float32)
         return out.astype(x.dtype)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + cfg.eps)
     return (xf * (1.0 + w if cfg.kind == "rms_one" else w)).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, returned in x's dtype.  x: [..., hidden]; weight: [hidden]."""
     return apply_norm(NormConfig("rms", eps), x, weight)
+
+
+def row_mean(x: jax.Array) -> jax.Array:  # [..., n] -> [..., 1]
+    """The mean over the last axis, summed in an order that depends on ``n`` alone: the row is
+    padded with zeros to a power of two, then its halves are added until one column is left.
+    Elementwise adds are exact per element, so each row's sum is the same however many rows
+    there are."""
+    n = x.shape[-1]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x / n
 
 
 class Norm(Block):

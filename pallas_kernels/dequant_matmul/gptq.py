@@ -1,9 +1,11 @@
-"""GPTQ and AWQ (GEMM) 4-bit tensors <-> ``HostPacked``: the re-layout done once at load.
+"""GPTQ (4 and 8 bits) and AWQ (GEMM, 4 bits) tensors <-> ``HostPacked``: the re-layout done once
+at load.
 
 Both formats quantize an ``[in, out]`` weight in groups of ``group_size`` rows along ``in``
 (``-1``: one group over all of ``in``) and dequantize as ``w = scales * (q - z)``, which is the
 formula of ``formats`` with ``d = scales`` and ``z`` a uint8 group array. They differ only in how
-the 4-bit codes sit in int32 words (nibble ``i`` of a word is bits ``4i .. 4i + 3``):
+the 4-bit codes sit in int32 words (nibble ``i`` of a word is bits ``4i .. 4i + 3``; 8-bit GPTQ
+packs four codes per word the same way, byte ``i`` holding bits ``8i .. 8i + 7``):
 
 | tensor | GPTQ (AutoGPTQ, GPTQModel, optimum) | AWQ GEMM (AutoAWQ, llm-awq) |
 |---|---|---|
@@ -29,11 +31,19 @@ import numpy as np
 
 from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
 
-BITS = 4
-PER_WORD = 32 // BITS  # codes per int32
+BITS = 4  # AWQ's only width, and GPTQ's usual one
+GPTQ_BITS = (4, 8)
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # nibble i holds column 8c + AWQ_ORDER[i]
 GPTQ_FORMATS = ("gptq", "gptq_v2")
-_SHIFTS = np.arange(PER_WORD, dtype=np.uint32) * BITS
+
+
+def _per_word(bits: int) -> int:
+    """Codes per int32."""
+    return 32 // bits
+
+
+def _shifts(bits: int) -> np.ndarray:
+    return np.arange(_per_word(bits), dtype=np.uint32) * bits
 
 
 @dataclass
@@ -71,24 +81,27 @@ def from_gptq(
     With ``sym`` every zero must be ``2 ** (bits - 1)``, as GPTQ's symmetric quantizer writes it
     (kernels such as Marlin assume it and never read ``qzeros``).
     """
-    _check_bits(bits)
+    _check_bits(bits, GPTQ_BITS)
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(
             f"GPTQ checkpoint_format {checkpoint_format!r} is not one of {GPTQ_FORMATS}"
         )
     words = _words("qweight", qweight)
-    k, n = words.shape[0] * PER_WORD, words.shape[1]
+    k, n = words.shape[0] * _per_word(bits), words.shape[1]
     groups, _ = _groups(k, group_size)
-    zeros = _unpack_columns(_words("qzeros", qzeros), "qzeros", (groups, n))
+    zeros = _unpack_columns(_words("qzeros", qzeros), "qzeros", (groups, n), bits)
     if checkpoint_format == "gptq":
         zeros = zeros + 1
+        if np.any(zeros > 255):  # an 8-bit v1 zero of 256: nothing stores it
+            raise ValueError("qzeros hold a zero point of 256, beyond 8 bits")
     if g_idx is not None:
         if np.shape(g_idx) != (k,):
             raise ValueError(f"g_idx has shape {np.shape(g_idx)}, expected ({k},)")
         check_g_idx(g_idx, group_size)
     if sym and np.any(zeros != 1 << (bits - 1)):
         raise ValueError(f"sym=True, but qzeros hold zero points other than {1 << (bits - 1)}")
-    codes = (words[:, None, :] >> _SHIFTS[None, :, None]) & 0xF  # [in / 8, 8, out]
+    mask = (1 << bits) - 1
+    codes = (words[:, None, :] >> _shifts(bits)[None, :, None]) & mask  # [in / w, w, out]
     return HostPacked(
         codes=codes.reshape(k, n).astype(np.uint8),
         bits=bits,
@@ -106,22 +119,18 @@ def from_awq(
     group_size: int,
 ) -> HostPacked:  # codes [in, out], d = scales, z uint8 [groups, out]
     """An AWQ GEMM linear as ``HostPacked``; ValueError for what it cannot hold."""
-    _check_bits(bits)
+    _check_bits(bits, (BITS,))
     words = _words("qweight", qweight)
-    k, n = words.shape[0], words.shape[1] * PER_WORD
+    k, n = words.shape[0], words.shape[1] * _per_word(bits)
     groups, _ = _groups(k, group_size)
-    return HostPacked(
-        codes=_unpack_columns(words, "qweight", (k, n), AWQ_ORDER).astype(np.uint8),
-        bits=bits,
-        d=_scales(scales, (groups, n)),
-        z=_unpack_columns(_words("qzeros", qzeros), "qzeros", (groups, n), AWQ_ORDER).astype(
-            np.uint8
-        ),
-    )
+    codes = _unpack_columns(words, "qweight", (k, n), bits, AWQ_ORDER)
+    d = _scales(scales, (groups, n))
+    zeros = _unpack_columns(_words("qzeros", qzeros), "qzeros", (groups, n), bits, AWQ_ORDER)
+    return HostPacked(codes=codes.astype(np.uint8), bits=bits, d=d, z=zeros.astype(np.uint8))
 
 
 def pack_gptq(
-    codes: np.ndarray,  # integer [in, out], values < 16
+    codes: np.ndarray,  # integer [in, out], values < 2**bits
     zeros: np.ndarray,  # integer [groups, out]
     scales: np.ndarray,  # float16 [groups, out]
     *,
@@ -131,29 +140,30 @@ def pack_gptq(
 ) -> GPTQTensors:
     """The GPTQ tensors of integer codes and zeros (the inverse of ``from_gptq``).
 
-    v1 ("gptq") zeros must be 1..16, v2 zeros 0..15.
+    v1 ("gptq") zeros must be 1..2**bits, v2 zeros 0..2**bits - 1.
     """
-    _check_bits(bits)
+    _check_bits(bits, GPTQ_BITS)
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(
             f"GPTQ checkpoint_format {checkpoint_format!r} is not one of {GPTQ_FORMATS}"
         )
     k, n = codes.shape
     groups, group = _groups(k, group_size)
-    _check_codes("codes", codes, 0, 15)
+    top, per_word = (1 << bits) - 1, _per_word(bits)
+    _check_codes("codes", codes, 0, top)
     if checkpoint_format == "gptq":
-        _check_codes("zeros (v1 stores zero - 1)", zeros, 1, 16)
+        _check_codes("zeros (v1 stores zero - 1)", zeros, 1, top + 1)
         zeros = np.asarray(zeros, np.int64) - 1
     else:
-        _check_codes("zeros", zeros, 0, 15)
-    if k % PER_WORD or n % PER_WORD or zeros.shape != (groups, n):
+        _check_codes("zeros", zeros, 0, top)
+    if k % per_word or n % per_word or zeros.shape != (groups, n):
         raise ValueError(
             f"codes {codes.shape} and zeros {zeros.shape} do not fit groups of {group}"
         )
-    rows = np.asarray(codes, np.uint32).reshape(k // PER_WORD, PER_WORD, n)
+    rows = np.asarray(codes, np.uint32).reshape(k // per_word, per_word, n)
     return GPTQTensors(
-        qweight=_or_nibbles(rows, axis=1),
-        qzeros=_pack_columns(zeros, np.arange(PER_WORD)),
+        qweight=_or_codes(rows, 1, bits),
+        qzeros=_pack_columns(zeros, np.arange(per_word), bits),
         scales=_scales(scales, (groups, n)),
         g_idx=(np.arange(k) // group).astype(np.int32),
     )
@@ -168,25 +178,26 @@ def pack_awq(
     bits: int = BITS,
 ) -> AWQTensors:
     """The AWQ GEMM tensors of integer codes and zeros (the inverse of ``from_awq``)."""
-    _check_bits(bits)
+    _check_bits(bits, (BITS,))
     k, n = codes.shape
     groups, group = _groups(k, group_size)
     _check_codes("codes", codes, 0, 15)
     _check_codes("zeros", zeros, 0, 15)
-    if n % PER_WORD or zeros.shape != (groups, n):
+    if n % _per_word(bits) or zeros.shape != (groups, n):
         raise ValueError(
             f"codes {codes.shape} and zeros {zeros.shape} do not fit groups of {group}"
         )
     return AWQTensors(
-        qweight=_pack_columns(codes, AWQ_ORDER),
-        qzeros=_pack_columns(zeros, AWQ_ORDER),
+        qweight=_pack_columns(codes, AWQ_ORDER, bits),
+        qzeros=_pack_columns(zeros, AWQ_ORDER, bits),
         scales=_scales(scales, (groups, n)),
     )
 
 
-def _check_bits(bits: int) -> None:
-    if bits != BITS:
-        raise ValueError(f"only 4-bit GPTQ/AWQ weights are supported, got bits={bits}")
+def _check_bits(bits: int, supported: tuple[int, ...]) -> None:
+    if bits not in supported:
+        widths = " and ".join(map(str, supported))
+        raise ValueError(f"only {widths}-bit weights are supported here, got bits={bits}")
 
 
 def _groups(k: int, group_size: int) -> tuple[int, int]:
@@ -207,33 +218,36 @@ def _words(name: str, a: np.ndarray) -> np.ndarray:  # uint32 view of an int32 [
 
 
 def _unpack_columns(
-    words: np.ndarray,  # uint32 [rows, cols / 8]
+    words: np.ndarray,  # uint32 [rows, cols / w], w codes per word
     name: str,
     shape: tuple[int, int],
+    bits: int,
     order: np.ndarray | None = None,
-) -> np.ndarray:  # uint32 [rows, cols]: nibble i of word c is column 8c + order[i]
-    if words.shape != (shape[0], shape[1] // PER_WORD) or shape[1] % PER_WORD:
+) -> np.ndarray:  # uint32 [rows, cols]: code i of word c is column w * c + order[i]
+    per_word = _per_word(bits)
+    if words.shape != (shape[0], shape[1] // per_word) or shape[1] % per_word:
         raise ValueError(
-            f"{name} has shape {words.shape}, expected {(shape[0], shape[1] // PER_WORD)}"
+            f"{name} has shape {words.shape}, expected {(shape[0], shape[1] // per_word)}"
         )
-    nibbles = (words[:, :, None] >> _SHIFTS) & 0xF  # [rows, cols / 8, 8]
+    codes = (words[:, :, None] >> _shifts(bits)) & ((1 << bits) - 1)  # [rows, cols / w, w]
     if order is not None:
-        nibbles = nibbles[:, :, np.argsort(order)]
-    return nibbles.reshape(shape)
+        codes = codes[:, :, np.argsort(order)]
+    return codes.reshape(shape)
 
 
 def _pack_columns(
     values: np.ndarray,  # integer [rows, cols]
     order: np.ndarray,
-) -> np.ndarray:  # int32 [rows, cols / 8]
-    rows = values.shape[0]
-    grouped = (np.asarray(values, np.int64) & 0xF).astype(np.uint32).reshape(rows, -1, PER_WORD)
-    return _or_nibbles(grouped[:, :, order], axis=2)
+    bits: int,
+) -> np.ndarray:  # int32 [rows, cols / w]
+    rows, mask = values.shape[0], (1 << bits) - 1
+    grouped = (np.asarray(values, np.int64) & mask).astype(np.uint32)
+    return _or_codes(grouped.reshape(rows, -1, _per_word(bits))[:, :, order], 2, bits)
 
 
-def _or_nibbles(nibbles: np.ndarray, axis: int) -> np.ndarray:  # int32, ``axis`` of 8 folded
-    shifts = _SHIFTS.reshape([-1 if a == axis else 1 for a in range(nibbles.ndim)])
-    return np.ascontiguousarray(np.bitwise_or.reduce(nibbles << shifts, axis=axis)).view(np.int32)
+def _or_codes(codes: np.ndarray, axis: int, bits: int) -> np.ndarray:  # int32, ``axis`` folded
+    shifts = _shifts(bits).reshape([-1 if a == axis else 1 for a in range(codes.ndim)])
+    return np.ascontiguousarray(np.bitwise_or.reduce(codes << shifts, axis=axis)).view(np.int32)
 
 
 def _check_codes(name: str, a: np.ndarray, low: int, high: int) -> None:

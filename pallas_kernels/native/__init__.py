@@ -167,6 +167,18 @@ def cpu_isa() -> Isa:
     return _level(best[0], best[1], best[3], features)
 
 
+# The extensions whose integer dot products (four int8 products summed into each 32-bit lane in
+# one instruction) make the int8-activation kernel faster than the float one on this CPU.
+INTEGER_DOT_EXTENSIONS = ("vnni", "avxvnni", "dotprod")
+
+
+def integer_dots() -> bool:
+    """Whether the build for this CPU (``cpu_isa``) has an integer dot-product instruction:
+    AVX-512 VNNI, AVX-VNNI or Arm's dot-product extension. Plain AVX2 multiplies int8 codes with
+    ``maddubs`` pairs, which loses to its float path (BENCHMARKS.md)."""
+    return any(label in INTEGER_DOT_EXTENSIONS for label in cpu_isa().name.split("+")[1:])
+
+
 def enabled() -> bool:
     """False when ``RUNTIME_NATIVE_KERNELS=0``."""
     return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off")

@@ -32,10 +32,12 @@ from jax_llm_runtime.runtime.engine.model_runner import ModelRunner, StepResult
 from jax_llm_runtime.runtime.engine.request import (
     FinishReason,
     GenerationDelta,
+    OutputError,
     SamplingFieldError,
     SamplingParams,
     StepOutput,
     TokenLogprobs,
+    check_context,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.engine.sequence import Sequence
@@ -249,14 +251,8 @@ class Engine:
             raise SamplingFieldError(
                 "logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        check_context(self.max_model_len, len(prompt), sampling.max_tokens)
         requested = len(prompt) + sampling.max_tokens
-        if requested > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {requested} tokens ({len(prompt)} in the messages, "
-                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            )
         # Beyond the whole KV cache a sequence would wait for pages forever.
         page_size, num_pages = self.scheduler.page_size, self.scheduler.allocator.num_pages
         if -(-requested // page_size) > num_pages:
@@ -463,6 +459,16 @@ class _RequestStream:
         except BaseException:
             await self.aclose()
             raise
+        try:
+            return self._delta(out)
+        except Exception as exc:  # detokenizing or matching stop strings: this request alone
+            await self.aclose()
+            raise OutputError(
+                f"request {self._seq.request_id}: its tokens could not be turned into text "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _delta(self, out: StepOutput) -> GenerationDelta:
         self._num_output += len(out.token_ids)
         reason = out.finish_reason
         # The EOS or stop token that ended the sequence counts as output but is not text (as in

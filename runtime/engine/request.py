@@ -22,6 +22,39 @@ class SamplingFieldError(ValueError):
         self.param = param
 
 
+class OutputError(RuntimeError):
+    """A request's sampled tokens could not be turned into text (a detokenizer or stop-string
+    failure): a server-side fault of that request alone; its sequence is aborted."""
+
+
+class ContextLengthError(ValueError):
+    """A prompt and its completion budget do not fit the model's context (``check_context``)."""
+
+    def __init__(self, max_model_len: int, prompt_len: int, completion_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.prompt_len = prompt_len
+        self.completion_len = completion_len
+        self.prompt_too_long = prompt_len + 1 > max_model_len  # no room for a single token
+        super().__init__(self.describe("messages"))
+
+    def describe(self, prompt_param: str) -> str:
+        """OpenAI's wording, naming the prompt as the request does ("messages", "prompt")."""
+        return (
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {self.prompt_len + self.completion_len} tokens ({self.prompt_len} in the "
+            f"{prompt_param}, {self.completion_len} in the completion). Please reduce the length "
+            f"of the {prompt_param} or completion."
+        )
+
+
+def check_context(max_model_len: int, prompt_len: int, completion_len: int) -> None:
+    """The one context-length rule: a prompt needs room for at least one token, and the prompt
+    plus ``completion_len`` must fit ``max_model_len``. The engine checks every submission with
+    it; the HTTP layer calls it first to check a whole request before submitting any of it."""
+    if prompt_len + max(completion_len, 1) > max_model_len:
+        raise ContextLengthError(max_model_len, prompt_len, max(completion_len, 1))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; every field is honoured per sequence inside a batch.

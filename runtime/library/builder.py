@@ -2,7 +2,8 @@
 
 ``InferenceEngine.builder().model_id("smollm2-135m-instruct").device("cpu").max_num_seqs(4)
 .max_model_len(512).kvcache_mem(64).build()`` collects the settings, validates them as an
-``EngineConfig`` (``config()``, without loading anything) and builds the engine (``build()``).
+``EngineConfig`` (``config()``, without loading anything) and builds the engine (``build()``),
+or writes the loaded model as a prepared checkpoint instead (``save_prepared(directory)``).
 Settings without a method of their own go through ``option(name, value)``.
 """
 
@@ -12,10 +13,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from jax_llm_runtime.runtime.config import EngineConfig
-from jax_llm_runtime.runtime.platform import check_device_name
+from jax_llm_runtime.runtime.platform import check_device_name, select_platform
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
 E = TypeVar("E")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -114,3 +116,16 @@ class EngineBuilder(Generic[E]):
         """Validate, pick the platform, load the model and start the engine."""
         self.config()
         return self._factory(device=self._device, **self._fields)
+
+    def save_prepared(self, directory: str | Path) -> Path:
+        """Validate, pick the platform, load the model as ``build()`` would (converted,
+        ``isq``-quantized, split over the tensor-parallel devices) and write it to the new
+        folder ``directory`` as a prepared checkpoint instead of starting an engine; a later
+        ``model_id(directory)`` restores it without converting or quantizing again
+        (``runtime.loading.prepared``; raises its ``PreparedCheckpointError``)."""
+        config = self.config()
+        if self._device is not None:
+            select_platform(self._device)
+        from jax_llm_runtime.runtime.loading.prepared import save_prepared
+
+        return save_prepared(config, directory)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
+from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from jax_llm_runtime.runtime.config import EngineConfig
@@ -24,6 +25,7 @@ from jax_llm_runtime.runtime.engine.scheduler import Scheduler
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
+from jax_llm_runtime.runtime.loading.xla_cache import enable_compilation_cache
 from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
 from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
     log_expert_offload,
@@ -38,14 +40,9 @@ from jax_llm_runtime.runtime.parallel.sharding import (
 from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def enable_compilation_cache(cache_dir: Path) -> None:
-    """Persist compiled executables so a second start skips XLA compilation."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+# Tokens per decode call on CPU when nothing else waits: one dispatch and one host round trip
+# for four tokens (BENCHMARKS.md: ~1 ms of host work per call, ~14% of a lone stream's token).
+CPU_DECODE_STEPS = 4
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -87,28 +84,45 @@ class LoadedModel:
     weights: Any
     tokenizer: Tokenizer
     dtype: jnp.dtype  # the run dtype ("auto" resolved)
+    # the HF-style config the model config was translated from (a prepared checkpoint keeps it)
+    hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     """Model and tokenizer from ``config.model_id`` with its ``dtype`` and ``isq``. A checkpoint's
     quantized tensors (GGUF blocks, GPTQ, AWQ) stay packed unless ``packed`` is False, which
-    loads them as ``dtype`` floats."""
+    loads them as ``dtype`` floats. A prepared checkpoint is restored as it was prepared
+    (``runtime.loading.prepared``)."""
     enable_compilation_cache(cache_root() / "xla")
     files = resolve_model_source(config.model_id, config.weight_file)
+    if files.kind == "prepared":
+        # orbax is imported only for prepared checkpoints
+        from jax_llm_runtime.runtime.loading.prepared import load_prepared
+
+        return load_prepared(config, files, packed)
     checkpoint = load_checkpoint(files)
     # The architecture is checked before the (slow) tokenizer and weights are read.
-    spec, model_config = model_config_from_hf(checkpoint.config)
-    if config.isq is not None:
-        model_config = dataclasses.replace(model_config, quantization=config.isq)
-    if config.matmul_dtype != "auto":
-        model_config = dataclasses.replace(model_config, operand_dtype=config.matmul_dtype)
-    model_config = with_expert_offload(model_config, config)
-    model_config = with_native_kernels(model_config, config.tensor_parallel_size)
+    spec, model_config = configure_model(config, checkpoint.config)
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
     weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
-    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype)
+    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype, checkpoint.config)
+
+
+def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[ModelSpec, Any]:
+    """The architecture's spec and model config for an HF-style config dict, with ``config``'s
+    ``isq``, expert offload, native kernels and matmul operands applied. Raises ValueError (an
+    unsupported architecture, a malformed config)."""
+    spec, model_config = model_config_from_hf(hf_config)
+    if config.isq is not None:
+        model_config = dataclasses.replace(model_config, quantization=config.isq)
+    model_config = with_expert_offload(model_config, config)
+    model_config = with_native_kernels(model_config, config.tensor_parallel_size)
+    model_config = dataclasses.replace(
+        model_config, operand_dtype=operand_dtype(config.matmul_dtype, model_config)
+    )
+    return spec, model_config
 
 
 def build_engine(config: EngineConfig) -> Engine | DataParallelEngine:
@@ -136,7 +150,7 @@ def _build_replica(
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
-        weights = _split_over(mesh, model_config, weights, config.expert_parallel)
+        weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -148,7 +162,9 @@ def _build_replica(
     plan = BucketPlan.build(
         config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
     )
-    decode_steps = config.decode_steps or (1 if jax.default_backend() == "cpu" else 8)
+    decode_steps = config.decode_steps or (
+        CPU_DECODE_STEPS if jax.default_backend() == "cpu" else 8
+    )
     runner = ModelRunner(
         spec,
         model_config,
@@ -187,7 +203,7 @@ def _build_replica(
     )
 
 
-def _split_over(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
+def place_on_mesh(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
     """The weights placed on the tensor-parallel mesh (heads must divide over its devices)."""
     attention = model_config.attention
     check_divisible(
@@ -235,6 +251,32 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     if allowed and not calibration.calibrate():
         logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
     return dataclasses.replace(model_config, native_kernels=allowed)
+
+
+def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:
+    """The quantized projections' operands for ``--matmul-dtype`` (``models.layers.linear``):
+    "model" is the model dtype (None); "auto" is int8 where the native CPU kernels run and their
+    build has integer dot products (``native.integer_dots``: there int8 activations, rounded as
+    llama.cpp rounds them and as accurate, multiply fastest), else the model dtype. ``--isq
+    int8``'s weights are not packed and multiply int8 activations only more slowly, so auto
+    leaves them alone."""
+    if matmul_dtype != "auto":
+        return None if matmul_dtype == "model" else matmul_dtype
+    int8 = (
+        model_config.native_kernels
+        and model_config.quantization != "int8"
+        and native_dequant.available()
+        and native.integer_dots()
+    )
+    choice = "int8" if int8 else None
+    logger.info(
+        "matmul operands: %s (--matmul-dtype auto: %s)",
+        "int8 activations" if int8 else "the model dtype",
+        f"{native.cpu_isa().name} has integer dot products"
+        if int8
+        else "int8 activations only where native CPU kernels with integer dot products run",
+    )
+    return choice
 
 
 def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:

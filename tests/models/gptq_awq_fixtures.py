@@ -52,10 +52,12 @@ class QuantizedModel:
     linears: dict[str, Ints]  # "model.layers.0.self_attn.q_proj" -> its quantization
 
 
-def random_ints(k: int, n: int, group_size: int, rng: np.random.Generator, zeros=(0, 15)) -> Ints:
+def random_ints(
+    k: int, n: int, group_size: int, rng: np.random.Generator, zeros=(0, 15), bits: int = 4
+) -> Ints:
     groups = 1 if group_size == -1 else k // group_size
     return Ints(
-        codes=rng.integers(0, 16, (k, n)).astype(np.uint8),
+        codes=rng.integers(0, 1 << bits, (k, n)).astype(np.uint8),
         zeros=rng.integers(zeros[0], zeros[1] + 1, (groups, n)).astype(np.uint8),
         scales=rng.uniform(0.001, 0.1, (groups, n)).astype(np.float16),
     )
@@ -70,20 +72,21 @@ def dequantize(ints: Ints | HostPacked) -> np.ndarray:  # float32 [in, out]
     return d * (ints.codes.astype(np.int32) - z).astype(np.float32)
 
 
-def reference_gptq(qweight, qzeros, scales, g_idx, checkpoint_format="gptq") -> np.ndarray:
-    """[in, out] float32 from GPTQ tensors: 8 nibbles per int32, low first, down ``in`` for the
-    weight and across ``out`` for the zeros; v1 zeros are stored minus one."""
+def reference_gptq(qweight, qzeros, scales, g_idx, checkpoint_format="gptq", bits=4) -> np.ndarray:
+    """[in, out] float32 from GPTQ tensors: 32 / bits codes per int32, low first, down ``in``
+    for the weight and across ``out`` for the zeros; v1 zeros are stored minus one."""
     import torch
 
     qweight, qzeros = torch.from_numpy(qweight), torch.from_numpy(qzeros)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, 8), shifts.view(1, 1, 8))
-    zeros = zeros.to(torch.int8)
+    w, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, w), shifts.view(1, 1, w))
+    zeros = torch.bitwise_and(zeros, mask)  # AutoGPTQ's torch path, in int32 for 8 bits
     if checkpoint_format == "gptq":
         zeros = zeros + 1
-    zeros = torch.bitwise_and(zeros, 15).reshape(scales.shape)
-    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, 8, -1), shifts.view(1, 8, 1))
-    weight = torch.bitwise_and(weight.to(torch.int8), 15).reshape(-1, qweight.shape[1])
+    zeros = (zeros if bits == 8 else torch.bitwise_and(zeros, mask)).reshape(scales.shape)
+    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, w, -1), shifts.view(1, w, 1))
+    weight = torch.bitwise_and(weight, mask).reshape(-1, qweight.shape[1])
     g = torch.from_numpy(g_idx).long()
     out = torch.from_numpy(scales).float()[g] * (weight - zeros[g]).float()
     return out.numpy()
@@ -110,27 +113,27 @@ def reference_awq(qweight, qzeros, scales, group_size) -> np.ndarray:
     return ((weight - zeros).float() * s).numpy()
 
 
-def quantize(w: np.ndarray, group_size: int, sym: bool, zeros=(0, 15)) -> Ints:
+def quantize(w: np.ndarray, group_size: int, sym: bool, zeros=(0, 15), bits: int = 4) -> Ints:
     """Round-to-nearest min-max quantization of a float ``[in, out]`` weight per group."""
     k, n = w.shape
-    group = k if group_size == -1 else group_size
+    group, top = k if group_size == -1 else group_size, (1 << bits) - 1
     blocks = w.reshape(k // group, group, n)
     if sym:
-        scales = (2 * np.abs(blocks).max(axis=1) / 15).astype(np.float16)
-        zero = np.full((k // group, n), 8)
+        scales = (2 * np.abs(blocks).max(axis=1) / top).astype(np.float16)
+        zero = np.full((k // group, n), 1 << (bits - 1))
     else:
         low, high = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
-        scales = ((high - low) / 15).astype(np.float16)
+        scales = ((high - low) / top).astype(np.float16)
         zero = np.clip(np.rint(-low / scales.astype(np.float32)), *zeros)
     s = scales.astype(np.float32)[:, None, :]
-    codes = np.clip(np.rint(blocks / s) + zero[:, None, :], 0, 15).reshape(k, n)
+    codes = np.clip(np.rint(blocks / s) + zero[:, None, :], 0, top).reshape(k, n)
     return Ints(codes.astype(np.uint8), zero.astype(np.uint8), scales)
 
 
-def gptq_config(group_size: int, sym: bool, checkpoint_format: str = "gptq") -> dict:
+def gptq_config(group_size: int, sym: bool, checkpoint_format: str = "gptq", bits: int = 4) -> dict:
     return {
         "quant_method": "gptq",
-        "bits": 4,
+        "bits": bits,
         "group_size": group_size,
         "desc_act": False,
         "sym": sym,
@@ -165,10 +168,17 @@ def write_quantized_llama(folder: Path, quant: dict, seed: int = 0, **llama: Any
             prefix = f"model.layers.{i}.{name}"
             w = state.pop(f"{prefix}.weight").T
             low = 1 if quant["quant_method"] == "gptq" and fmt == "gptq" else 0
-            ints = linears[prefix] = quantize(w, group, sym, zeros=(low, 15))
+            bits = quant["bits"]
+            zeros = (low, (1 << bits) - 1)
+            ints = linears[prefix] = quantize(w, group, sym, zeros=zeros, bits=bits)
             if quant["quant_method"] == "gptq":
                 t = pack_gptq(
-                    ints.codes, ints.zeros, ints.scales, group_size=group, checkpoint_format=fmt
+                    ints.codes,
+                    ints.zeros,
+                    ints.scales,
+                    group_size=group,
+                    bits=bits,
+                    checkpoint_format=fmt,
                 )
                 parts = {
                     "qweight": t.qweight,

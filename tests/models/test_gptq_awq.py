@@ -51,8 +51,8 @@ def _load_tool():
 convert_awq = _load_tool()
 
 
-def _same(packed: HostPacked, ints) -> None:
-    assert packed.bits == 4
+def _same(packed: HostPacked, ints, bits: int = 4) -> None:
+    assert packed.bits == bits
     np.testing.assert_array_equal(packed.codes, ints.codes)
     np.testing.assert_array_equal(packed.z, ints.zeros)
     np.testing.assert_array_equal(packed.d, ints.scales)
@@ -89,6 +89,33 @@ def test_gptq_round_trip_and_reference(group_size, checkpoint_format):
     _same(packed, ints)
     ref = reference_gptq(t.qweight, t.qzeros, t.scales, t.g_idx, checkpoint_format)
     np.testing.assert_array_equal(dequantize(packed), ref)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
+def test_gptq_8bit_round_trip_and_reference(checkpoint_format):
+    """8-bit GPTQ: four codes per int32 word, zeros up to 255 (a v1 zero of 256 cannot load)."""
+    rng = np.random.default_rng(8)
+    low = 1 if checkpoint_format == "gptq" else 0
+    ints = random_ints(K, N, 32, rng, zeros=(low, 255), bits=8)
+    t = pack_gptq(
+        ints.codes, ints.zeros, ints.scales,
+        group_size=32, bits=8, checkpoint_format=checkpoint_format,
+    )  # fmt: skip
+    assert t.qweight.shape == (K // 4, N) and t.qzeros.shape == (K // 32, N // 4)
+    packed = from_gptq(
+        t.qweight, t.qzeros, t.scales, t.g_idx,
+        bits=8, group_size=32, sym=False, checkpoint_format=checkpoint_format,
+    )  # fmt: skip
+    _same(packed, ints, bits=8)
+    ref = reference_gptq(t.qweight, t.qzeros, t.scales, t.g_idx, checkpoint_format, bits=8)
+    np.testing.assert_array_equal(dequantize(packed), ref)
+    if checkpoint_format == "gptq":
+        top = pack_gptq(
+            ints.codes, np.full_like(ints.zeros, 256, dtype=np.int64), ints.scales,
+            group_size=32, bits=8,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="256"):
+            from_gptq(top.qweight, top.qzeros, top.scales, None, bits=8, group_size=32, sym=False)
 
 
 def test_gptq_v1_layout_by_hand():
@@ -152,8 +179,8 @@ def _gptq_tensors(group_size=32, k=64, n=16):
 def test_gptq_errors():
     t = _gptq_tensors()
     args = (t.qweight, t.qzeros, t.scales)
-    with pytest.raises(ValueError, match="only 4-bit"):
-        from_gptq(*args, t.g_idx, bits=8, group_size=32, sym=False)
+    with pytest.raises(ValueError, match="only 4 and 8-bit"):
+        from_gptq(*args, t.g_idx, bits=3, group_size=32, sym=False)
     with pytest.raises(ValueError, match="act-order"):
         from_gptq(
             *args, np.random.default_rng(0).permutation(t.g_idx), bits=4, group_size=32, sym=False
@@ -209,7 +236,8 @@ def _tiny_folder(folder: Path, quant: dict | None, tensors: dict[str, np.ndarray
     ("quant", "message"),
     [
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-        (gptq_config(32, False) | {"bits": 8}, "gptq with bits=8 is not supported"),
+        (gptq_config(32, False) | {"bits": 3}, "gptq with bits=3 is not supported"),
+        (awq_config(32) | {"bits": 8}, "awq with bits=8 is not supported"),
         (gptq_config(32, False, "marlin"), "checkpoint_format 'marlin' is not supported"),
         (gptq_config(32, False) | {"pack_dtype": "int16"}, "pack_dtype 'int16'"),
         (awq_config(32) | {"version": "gemv"}, "AWQ version 'gemv' is not supported"),
@@ -364,8 +392,14 @@ def test_convert_awq_rejects_other_input(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "quant",
-    [gptq_config(32, sym=True), gptq_config(-1, sym=False), awq_config(32)],
-    ids=["gptq-sym-g32", "gptq-asym-g-1", "awq-g32"],
+    [
+        gptq_config(32, sym=True),
+        gptq_config(-1, sym=False),
+        gptq_config(32, sym=True, bits=8),
+        gptq_config(64, sym=False, checkpoint_format="gptq_v2", bits=8),
+        awq_config(32),
+    ],
+    ids=["gptq-sym-g32", "gptq-asym-g-1", "gptq8-sym-g32", "gptq8-v2-asym-g64", "awq-g32"],
 )
 def test_quantized_llama_matches_hf(tmp_path, quant):
     """Our engine on the packed checkpoint against HF on the dequantized float weights."""

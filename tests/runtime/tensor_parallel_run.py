@@ -49,7 +49,9 @@ def run(folder: str, size: int, extra: dict) -> dict:
             kvcache_mem_mb=4,
             dtype="float32",
             tensor_parallel_size=size,
-            **extra,
+            # One device would take int8 activations on CPUs with integer dots (auto), a mesh
+            # the model dtype: every size computes with the same numbers.
+            **{"matmul_dtype": "model", **extra},
         )
     )
     engine.start()

@@ -43,7 +43,13 @@ def engine(gemma3_gguf: Path):
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
-        EngineConfig(model_id=str(gemma3_gguf), max_num_seqs=8, max_model_len=256, dtype="float32")
+        EngineConfig(
+            model_id=str(gemma3_gguf),
+            max_num_seqs=8,
+            max_model_len=256,
+            dtype="float32",
+            matmul_dtype="model",  # HF's float numbers, not the int8 activations of VNNI CPUs
+        )
     )
     engine.start()
     yield engine

@@ -350,3 +350,11 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
         bench.parse_args(["--plot", "run.png"])
     err_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(err_lines) == 1 and "pip install matplotlib" in err_lines[0]
+
+
+def test_candle_vllm_benchmark_py_flags():
+    """candle-vllm's examples/benchmark.py line, --batch N --max_tokens M: N requests at once."""
+    args = bench.parse_args(["--batch", "16", "--max_tokens", "64"])
+    assert (args.concurrency, args.num_requests, args.output_len) == ([16], 16, 64)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "0"])
