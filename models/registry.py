@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from jax_llm_runtime.models import (
+    checkpoint,
     decoder,
     gemma,
     glm4,
@@ -28,7 +29,8 @@ class ModelSpec:
     """How to build, load and run one architecture.
 
     ``config_from_hf`` reads an HF config dict; ``load(config, tensors, dtype, num_tensors)``
-    builds the weight pytree from HF-named tensors; ``forward(config, weights, cache, batch)``
+    builds the split model (``models.state.ModelWeights``) from HF-named tensors;
+    ``forward(config, weights, cache, batch)``
     returns ``(logits, cache)``. ``hidden_states(config, weights, tokens, positions, lengths)``,
     when the architecture has one, returns the final-normed hidden states of every position
     without touching the KV cache (used for embeddings); ``lm_head(config, weights, h)`` turns
@@ -50,7 +52,7 @@ def _decoder(
     return ModelSpec(
         hf_architecture,
         config_from_hf,
-        partial(decoder.load, rules=rules),
+        partial(checkpoint.load, rules=rules),
         decoder.forward,
         decoder.hidden_states,
         decoder.lm_head,

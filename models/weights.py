@@ -1,4 +1,4 @@
-"""Strict, declarative checkpoint loading: HF tensor names -> fields of a model's weight pytree.
+"""Strict, declarative checkpoint loading: HF tensor names -> the fields of a model's parameters.
 
 A model declares the shape of every field (stacked per-layer fields lead with ``num_layers``) and
 a table of rules that map checkpoint names onto fields. Loading streams tensors one at a time into

@@ -1,14 +1,15 @@
-"""Self-attention over the paged KV cache: project, rotate, write K/V, attend, project out.
+"""Self-attention over the paged KV cache (project, rotate, write K/V, attend, project out),
+and without it (plain causal attention over the given tokens, for embeddings and scoring).
 
-A layer's attention weights are a dict: ``wq``, ``wk``, ``wv``, ``wo`` always; ``bq``, ``bk``,
-``bv`` when ``qkv_bias`` (Qwen2, Phi-2, StableLM, GLM-4); ``bo`` when ``o_bias`` (Phi-2);
-``q_norm``, ``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set
-(Qwen3, Gemma-3, Phi-2, StableLM 2).
+``Attention`` declares a layer's weights; the functions take them by field name: ``wq``,
+``wk``, ``wv``, ``wo`` always; ``bq``, ``bk``, ``bv`` when ``qkv_bias`` (Qwen2, Phi-2, StableLM,
+GLM-4); ``bo`` when ``o_bias`` (Phi-2); ``q_norm``, ``k_norm`` (and ``q_norm_b``, ``k_norm_b``
+for LayerNorm) when ``qk_norm`` is set (Qwen3, Gemma-3, Phi-2, StableLM 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -16,8 +17,17 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
-from jax_llm_runtime.models.layers.linear import linear
-from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
+from jax_llm_runtime.models.layers.linear import linear, projection
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig, apply_norm
+from jax_llm_runtime.models.layers.params import (
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    NORM,
+    Block,
+    layer_axes,
+)
 from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, attention, write_cache
 
@@ -46,7 +56,7 @@ class AttentionConfig:
     local_rope: RopeConfig | None = None
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
-    # The cache-free path (``causal_attention``) rounds K and V to this dtype, as a paged run
+    # The cache-free path (``causal_self_attention``) rounds K and V to this dtype, as a paged run
     # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
     round_kv_to: str | None = None
 
@@ -171,3 +181,103 @@ def paged_self_attention(
         native=native,
     )
     return output_projection(cfg, out, lw), cache
+
+
+def causal_self_attention(
+    cfg: AttentionConfig,
+    x: jax.Array,  # [num_seqs, seq_len, hidden]
+    lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
+    positions: jax.Array,  # [num_seqs, seq_len] int32
+    lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
+    meta: LayerMeta,
+) -> jax.Array:  # [num_seqs, seq_len, hidden]
+    """Project, rotate, attend causally within each sequence's valid tokens, project out,
+    leaving the paged KV cache untouched (embeddings, prompt scoring).
+
+    Padding queries (index >= length) still see key 0, so they stay finite; their outputs are
+    never read.
+    """
+    num_seqs, seq_len, _ = x.shape
+    group = cfg.num_heads // cfg.num_kv_heads
+    q, k, v = project_qkv(cfg, x, lw, positions, meta)
+    if cfg.round_kv_to is not None:
+        k = k.astype(cfg.round_kv_to).astype(k.dtype)
+        v = v.astype(cfg.round_kv_to).astype(v.dtype)
+    q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
+    scores = jnp.einsum(
+        "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
+    )  # [num_seqs, num_kv_heads, group, seq_len, seq_len]
+    scores = scores * cfg.scale
+    if cfg.soft_cap is not None:
+        scores = cfg.soft_cap * jnp.tanh(scores / cfg.soft_cap)
+    idx = jnp.arange(seq_len)
+    mask = idx[None, :] <= idx[:, None]  # [q, s] causal
+    window = layer_window(cfg, meta)
+    if window is not None:
+        mask &= idx[:, None] - idx[None, :] < window
+    mask = mask[None] & (idx < lengths[:, None])[:, None, :]  # [num_seqs, q, s]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
+    return output_projection(cfg, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim), lw)
+
+
+class Attention(Block):
+    """A layer's (or a stack of ``lead`` layers') attention weights: the query projection split
+    by heads, the key and value projections by KV heads, the output projection by heads along
+    its input (so its partial sums are all-reduced)."""
+
+    def __init__(
+        self,
+        cfg: AttentionConfig,
+        lead: Sequence[int],
+        hidden: int,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
+    ) -> None:
+        self.cfg = cfg
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+        def proj(features: tuple[int, int], axes: tuple[str, str], field: str, bias: str | None):
+            return projection(lead, features, axes, dtype, field, bias, quantized)
+
+        qkv = cfg.qkv_bias
+        self.wq = proj((hidden, q_width), (EMBED, HEADS), "wq", "bq" if qkv else None)
+        self.wk = proj((hidden, kv_width), (EMBED, KV_HEADS), "wk", "bk" if qkv else None)
+        self.wv = proj((hidden, kv_width), (EMBED, KV_HEADS), "wv", "bv" if qkv else None)
+        self.wo = proj((q_width, hidden), (HEADS, EMBED), "wo", "bo" if cfg.o_bias else None)
+        normed = cfg.qk_norm is not None
+        self.q_norm = self._qk_norm(lead, cfg.num_heads, HEADS, dtype, "q_norm") if normed else None
+        self.k_norm = (
+            self._qk_norm(lead, cfg.num_kv_heads, KV_HEADS, dtype, "k_norm") if normed else None
+        )
+
+    def _qk_norm(
+        self, lead: Sequence[int], heads: int, axis: str, dtype: jnp.dtype, field: str
+    ) -> Norm:
+        cfg, stack = self.cfg, layer_axes(lead)
+        if cfg.qk_norm_per_head:  # one weight per head (StableLM 2), no bias
+            shape, axes = (*lead, heads, cfg.head_dim), (*stack, axis, HEAD_DIM)
+            return Norm(cfg.qk_norm, shape, axes, dtype, field, bias=False)
+        return Norm(cfg.qk_norm, (*lead, cfg.head_dim), (*stack, NORM), dtype, field)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [num_seqs, q_len, hidden]
+        cache: KVCache,
+        meta: LayerMeta,
+        batch: StepBatch,
+        native: bool = False,
+    ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
+        """``paged_self_attention`` with this layer's weights."""
+        return paged_self_attention(self.cfg, x, self.fields(), cache, meta, batch, native)
+
+    def causal(
+        self,
+        x: jax.Array,  # [num_seqs, seq_len, hidden]
+        positions: jax.Array,  # [num_seqs, seq_len] int32
+        lengths: jax.Array,  # [num_seqs] int32
+        meta: LayerMeta,
+    ) -> jax.Array:  # [num_seqs, seq_len, hidden]
+        """``causal_self_attention`` with this layer's weights."""
+        return causal_self_attention(self.cfg, x, self.fields(), positions, lengths, meta)

@@ -1,8 +1,13 @@
 """The one linear layer every projection goes through, for plain and quantized weights.
 
+``Linear`` is the module that declares a projection's ``[in, out]`` kernel (and bias) with its
+logical axes (``models.layers.params``); ``QuantizedLinear`` is the same declaration for a
+kernel that the checkpoint (or ``--isq``) gives packed, and ``projection`` picks one of the two.
+Both call ``linear``.
+
 ``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``, and so
-does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the decoder's layer scan hands
-over whole where native CPU kernels may run (``models.decoder``).
+does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the layer scan hands over
+whole where native CPU kernels may run (``Segment.scan``, ``models.layers.decoder_layer``).
 
 ``QuantizedWeight`` is int8 weight-only quantization with one float32 scale per output channel
 (symmetric, round to nearest): ``w ~= q * scale``. XLA:CPU widens int8 to the compute dtype in a
@@ -29,11 +34,14 @@ Both kinds carry an ``operand_dtype`` (``--matmul-dtype``):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_llm_runtime.models.layers.params import Block, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.dequant_matmul import (
     PackedLayer,
     PackedWeight,
@@ -120,3 +128,53 @@ def dense(
     if isinstance(weight, PackedWeight):
         return dequantize(weight).astype(dtype)
     return weight.astype(dtype)
+
+
+class Linear(Block):
+    """A projection ``x @ kernel (+ bias)``: kernel ``[*lead, in, out]`` along logical axes
+    ``(layers..., in_axis, out_axis)``, bias ``[*lead, out]`` along the output axis."""
+
+    def __init__(
+        self,
+        lead: Sequence[int],
+        features: tuple[int, int],  # (in, out)
+        axes: tuple[str, str],  # logical axes of (in, out)
+        dtype: jnp.dtype,
+        field: str,
+        bias: str | None = None,  # the bias's field name; None: no bias
+    ) -> None:
+        stack = layer_axes(lead)
+        self.kernel = declare((*lead, *features), dtype, (*stack, *axes), field)
+        bias_shape, bias_axes = (*lead, features[1]), (*stack, axes[1])
+        self.bias = None if bias is None else declare(bias_shape, dtype, bias_axes, bias)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [..., in]
+        out_dtype: jnp.dtype | None = None,
+    ) -> jax.Array:  # [..., out]
+        bias = None if self.bias is None else self.bias.get_value()
+        return linear(x, self.kernel.get_value(), bias, out_dtype)
+
+
+class QuantizedLinear(Linear):
+    """A ``Linear`` whose kernel is quantized: a ``PackedWeight`` (GGUF block types, GPTQ, AWQ,
+    ``--isq`` block types; inside a layer scan where native kernels run, the stack's
+    ``PackedLayer``) or an int8 ``QuantizedWeight`` (``--isq int8``). The declaration is the
+    logical ``[in, out]`` matrix: every array of the packed value splits along the same axes
+    (``runtime.parallel.sharding``)."""
+
+
+def projection(
+    lead: Sequence[int],
+    features: tuple[int, int],
+    axes: tuple[str, str],
+    dtype: jnp.dtype,
+    field: str,
+    bias: str | None = None,
+    quantized: Collection[str] = (),
+) -> Linear:
+    """A ``QuantizedLinear`` when ``field`` is one of the ``quantized`` fields, else a
+    ``Linear``."""
+    kind = QuantizedLinear if field in quantized else Linear
+    return kind(lead, features, axes, dtype, field, bias)

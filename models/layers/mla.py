@@ -15,7 +15,8 @@ Cache layout (see ``mla_cache_shapes``): ``KVCache.k`` is ``[num_layers, num_pag
 and is returned unchanged. A float8 cache stores each latent row in e4m3 with one scale
 (``KVCache.k_scales``), which serves as both the key's and the value's scale.
 
-A layer's weights are a dict, linears stored ``[in, out]``:
+``MLA`` declares a layer's weights; the functions take them by field name, linears stored
+``[in, out]``:
 
 - ``wq`` ``[hidden, num_heads * qk_head_dim]`` when ``q_lora_rank`` is None; otherwise ``wq_a``
   ``[hidden, q_lora_rank]``, ``q_a_norm`` ``[q_lora_rank]`` and ``wq_b``
@@ -30,7 +31,7 @@ A layer's weights are a dict, linears stored ``[in, out]``:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,16 @@ import jax
 import jax.numpy as jnp
 
 from jax_llm_runtime.models.batch import StepBatch
-from jax_llm_runtime.models.layers.linear import linear
-from jax_llm_runtime.models.layers.norms import rms_norm
+from jax_llm_runtime.models.layers.linear import linear, projection
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig, rms_norm
+from jax_llm_runtime.models.layers.params import (
+    EMBED,
+    HEADS,
+    LATENT,
+    Block,
+    layer_axes,
+    shapes,
+)
 from jax_llm_runtime.models.layers.rope_scaling import yarn_mscale
 from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope, rope_from_hf
 from jax_llm_runtime.models.weights import WeightRule
@@ -137,30 +146,6 @@ def mla_config_from_hf(hf: dict[str, Any]) -> MLAConfig:
     )
 
 
-def mla_weight_shapes(
-    cfg: MLAConfig, hidden_size: int, num_layers: int
-) -> dict[str, tuple[int, ...]]:
-    """Every attention weight field this config uses, stacked on a leading layer axis."""
-    n, h = num_layers, cfg.num_heads
-    shapes: dict[str, tuple[int, ...]] = {}
-    if cfg.q_lora_rank is None:
-        shapes["wq"] = (n, hidden_size, h * cfg.qk_head_dim)
-    else:
-        shapes["wq_a"] = (n, hidden_size, cfg.q_lora_rank)
-        shapes["q_a_norm"] = (n, cfg.q_lora_rank)
-        shapes["wq_b"] = (n, cfg.q_lora_rank, h * cfg.qk_head_dim)
-    shapes["wkv_a"] = (n, hidden_size, cfg.cache_head_dim)
-    shapes["kv_a_norm"] = (n, cfg.kv_lora_rank)
-    shapes["wkv_b"] = (n, cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-    shapes["wo"] = (n, h * cfg.v_head_dim, hidden_size)
-    if cfg.attention_bias:
-        if cfg.q_lora_rank is not None:
-            shapes["bq_a"] = (n, cfg.q_lora_rank)
-        shapes["bkv_a"] = (n, cfg.cache_head_dim)
-        shapes["bo"] = (n, hidden_size)
-    return shapes
-
-
 _ATTN = r"model\.layers\.(\d+)\.self_attn\."
 MLA_WEIGHT_RULES = (
     WeightRule(_ATTN + r"q_proj\.weight", "wq", transpose=True, per_layer=True),
@@ -175,7 +160,7 @@ MLA_WEIGHT_RULES = (
     WeightRule(_ATTN + r"o_proj\.weight", "wo", transpose=True, per_layer=True),
     WeightRule(_ATTN + r"o_proj\.bias", "bo", per_layer=True),
 )
-# Every per-layer field the rules can fill; a given config uses the subset mla_weight_shapes names.
+# Every per-layer field the rules can fill; a given config declares a subset (``MLA``).
 MLA_LAYER_FIELDS = tuple(rule.field for rule in MLA_WEIGHT_RULES)
 
 
@@ -307,3 +292,68 @@ def mla_causal(
     out = jnp.einsum("bhqs,bshv->bqhv", probs, v.astype(f32)).astype(x.dtype)
     out = out.reshape(num_seqs, seq_len, cfg.num_heads * cfg.v_head_dim)
     return linear(out, lw["wo"], lw["bo"] if cfg.attention_bias else None)
+
+
+class MLA(Block):
+    """A layer's (or a stack of ``lead`` layers') MLA weights (see the module docstring). The
+    per-head projections split by heads (``wq`` or ``wq_b``, and ``wkv_b``: each head's columns
+    lie together), ``wo`` by heads along its input; the low-rank ``wq_a`` and ``wkv_a`` and
+    their norms are read by every head and stay whole, as does the latent cache."""
+
+    def __init__(
+        self,
+        cfg: MLAConfig,
+        lead: Sequence[int],
+        hidden: int,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
+    ) -> None:
+        self.cfg = cfg
+        h, bias = cfg.num_heads, cfg.attention_bias
+        norm = NormConfig("rms", cfg.norm_eps)
+
+        def proj(features: tuple[int, int], axes: tuple[str, str], field: str, b: str | None):
+            # kv_b is absorbed into the queries and outputs (never a plain linear): run dtype.
+            packable = () if field == "wkv_b" else quantized
+            return projection(lead, features, axes, dtype, field, b if bias else None, packable)
+
+        def latent_norm(rank: int, field: str) -> Norm:
+            return Norm(norm, (*lead, rank), (*layer_axes(lead), LATENT), dtype, field)
+
+        rank, q_width = cfg.q_lora_rank, h * cfg.qk_head_dim
+        direct = rank is None
+        self.wq = proj((hidden, q_width), (EMBED, HEADS), "wq", None) if direct else None
+        self.wq_a = None if direct else proj((hidden, rank), (EMBED, LATENT), "wq_a", "bq_a")
+        self.q_a_norm = None if direct else latent_norm(rank, "q_a_norm")
+        self.wq_b = None if direct else proj((rank, q_width), (LATENT, HEADS), "wq_b", None)
+        self.wkv_a = proj((hidden, cfg.cache_head_dim), (EMBED, LATENT), "wkv_a", "bkv_a")
+        self.kv_a_norm = latent_norm(cfg.kv_lora_rank, "kv_a_norm")
+        kv_b = (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.wkv_b = proj(kv_b, (LATENT, HEADS), "wkv_b", None)
+        self.wo = proj((h * cfg.v_head_dim, hidden), (HEADS, EMBED), "wo", "bo")
+
+    def __call__(
+        self,
+        x: jax.Array,  # [num_seqs, q_len, hidden]
+        cache: KVCache,
+        layer: jax.Array,  # [] int32
+        batch: StepBatch,
+    ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
+        """``paged_mla`` with this layer's weights."""
+        return paged_mla(self.cfg, x, self.fields(), cache, layer, batch)
+
+    def causal(
+        self,
+        x: jax.Array,  # [num_seqs, seq_len, hidden]
+        positions: jax.Array,  # [num_seqs, seq_len] int32
+        lengths: jax.Array,  # [num_seqs] int32
+    ) -> jax.Array:  # [num_seqs, seq_len, hidden]
+        """``mla_causal`` with this layer's weights."""
+        return mla_causal(self.cfg, x, self.fields(), positions, lengths)
+
+
+def mla_weight_shapes(
+    cfg: MLAConfig, hidden_size: int, num_layers: int
+) -> dict[str, tuple[int, ...]]:
+    """Every attention weight field this config declares, stacked on a leading layer axis."""
+    return shapes(MLA(cfg, (num_layers,), hidden_size, jnp.float32))

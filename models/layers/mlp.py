@@ -1,12 +1,15 @@
-"""Feed-forward blocks: gated (SwiGLU/GeGLU) and plain two-layer MLPs."""
+"""Feed-forward blocks: gated (SwiGLU/GeGLU) and plain two-layer MLPs; ``MLP`` declares a
+layer's weights (``w_gate``, ``w_up``, ``w_down``, and ``b_up``, ``b_down`` with biases)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 
-from jax_llm_runtime.models.layers.linear import linear
+from jax_llm_runtime.models.layers.linear import linear, projection
+from jax_llm_runtime.models.layers.params import EMBED, FFN, Block
 
 # HF ``hidden_act`` names -> functions. The tanh approximations are distinct from exact GELU.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -51,3 +54,30 @@ def dense_mlp(
         return gated_mlp(x, lw["w_gate"], lw["w_up"], lw["w_down"], activation)
     act = ACTIVATIONS[activation]
     return linear(act(linear(x, lw["w_up"], lw.get("b_up"))), lw["w_down"], lw.get("b_down"))
+
+
+class MLP(Block):
+    """A layer's (or a stack of ``lead`` layers') MLP: the gate and up projections split by
+    intermediate features, the down projection along its input (partial sums all-reduced)."""
+
+    def __init__(
+        self,
+        lead: Sequence[int],
+        hidden: int,
+        intermediate: int,
+        dtype: jnp.dtype,
+        activation: str = "silu",
+        gated: bool = True,
+        bias: bool = False,
+        quantized: Collection[str] = (),
+    ) -> None:
+        self.activation, self.gated = check_activation(activation), gated
+        up, down = (hidden, intermediate), (intermediate, hidden)
+        col, row = (EMBED, FFN), (FFN, EMBED)
+        self.w_gate = projection(lead, up, col, dtype, "w_gate", None, quantized) if gated else None
+        self.w_up = projection(lead, up, col, dtype, "w_up", "b_up" if bias else None, quantized)
+        b_down = "b_down" if bias else None
+        self.w_down = projection(lead, down, row, dtype, "w_down", b_down, quantized)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., hidden] -> [..., hidden]
+        return dense_mlp(x, self.fields(), self.activation, self.gated)

@@ -10,7 +10,8 @@ One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and 
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
    (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
 
-A layer's weights are a mapping (see ``moe_weight_shapes``); matrices are stored ``[in, out]``:
+``MoE`` declares a layer's weights; the functions take them by field name, matrices stored
+``[in, out]``:
 ``router`` [hidden, num_experts], ``router_bias`` [num_experts] (with ``has_router_bias``),
 ``e_gate``/``e_up`` [num_experts, hidden, expert_inter], ``e_down`` [num_experts, expert_inter,
 hidden], and with a shared expert ``s_gate``/``s_up`` [hidden, shared_inter], ``s_down``
@@ -39,8 +40,9 @@ way only when a valid token chose one of its experts, and each slot takes its ow
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -54,7 +56,18 @@ from jax_llm_runtime.models.layers.expert_offload import (
     ExpertOffload,
     to_device_memory,
 )
-from jax_llm_runtime.models.layers.linear import dense, linear
+from jax_llm_runtime.models.layers.linear import Linear, dense, linear, projection
+from jax_llm_runtime.models.layers.params import (
+    EMBED,
+    EXPERT_MLP,
+    EXPERTS,
+    FFN,
+    ROUTER,
+    Block,
+    declare,
+    layer_axes,
+    shapes,
+)
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -144,22 +157,9 @@ class MoEConfig:
 
 def moe_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
     """Every weight of one MoE layer as a checkpoint gives it, with its shape (``[in, out]`` for
-    matrices); ``layer_weight_shapes`` says how offloading cuts the expert stacks."""
-    e, h, i = cfg.num_experts, hidden_size, cfg.expert_intermediate_size
-    shapes = {
-        "router": (h, e),
-        "e_gate": (e, h, i),
-        "e_up": (e, h, i),
-        "e_down": (e, i, h),
-    }
-    if cfg.has_router_bias:
-        shapes["router_bias"] = (e,)
-    if cfg.shared_intermediate_size:
-        s = cfg.shared_intermediate_size
-        shapes.update(s_gate=(h, s), s_up=(h, s), s_down=(s, h))
-        if cfg.shared_gate:
-            shapes["s_router"] = (h, 1)
-    return shapes
+    matrices): ``MoE``'s declarations without offloading; ``layer_weight_shapes`` says how
+    offloading cuts the expert stacks."""
+    return shapes(MoE(dataclasses.replace(cfg, offload=None), (), hidden_size, jnp.float32))
 
 
 def route(
@@ -318,16 +318,9 @@ def _routed_experts(
 
 
 def layer_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
-    """The weights ``moe_mlp`` reads for one layer: ``moe_weight_shapes``, with the expert
-    stacks cut into resident and offloaded ones when ``cfg.offload`` is set."""
-    shapes = moe_weight_shapes(cfg, hidden_size)
-    if cfg.offload is not None:
-        resident, offloaded = cfg.offload.stack_sizes(cfg.num_experts)
-        for name in EXPERT_FIELDS:
-            matrix = shapes[name][1:]
-            shapes[name] = (resident, *matrix)
-            shapes[name + HOST_SUFFIX] = (offloaded, *matrix)
-    return shapes
+    """The weights ``moe_mlp`` reads for one layer (``MoE``'s declarations): ``moe_weight_shapes``,
+    with the expert stacks cut into resident and offloaded ones when ``cfg.offload`` is set."""
+    return shapes(MoE(cfg, (), hidden_size, jnp.float32))
 
 
 def _check_weights(cfg: MoEConfig, hidden: int, lw: Mapping[str, jax.Array]) -> None:
@@ -340,3 +333,64 @@ def _check_weights(cfg: MoEConfig, hidden: int, lw: Mapping[str, jax.Array]) -> 
             raise ValueError(
                 f"MoE weight {name!r} has shape {tuple(lw[name].shape)}, expected {shape}"
             )
+
+
+class MoE(Block):
+    """A layer's (or a stack of ``lead`` layers') MoE weights. The routed experts' stacks
+    ``[..., experts, in, out]`` split over their expert axis with expert parallelism (each
+    device keeps its share of the experts whole); offloaded stacks (``e_gate_host``, ...) split
+    the same way and live in pinned host memory. The router stays whole; the shared expert
+    splits like an MLP. Packed expert stacks are parameters here, gathered or dequantized per
+    layer (``experts_gathered``, ``experts_grouped``); the shared expert's projections are
+    ``Linear``s."""
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        lead: Sequence[int],
+        hidden: int,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
+    ) -> None:
+        self.cfg = cfg
+        stack, e, inter = layer_axes(lead), cfg.num_experts, cfg.expert_intermediate_size
+        self.router = declare((*lead, hidden, e), dtype, (*stack, EMBED, ROUTER), "router")
+        self.router_bias = (
+            declare((*lead, e), dtype, (*stack, ROUTER), "router_bias")
+            if cfg.has_router_bias
+            else None
+        )
+        resident, offloaded = (e, 0) if cfg.offload is None else cfg.offload.stack_sizes(e)
+
+        def experts(field: str, features: tuple[int, int], axes: tuple[str, str]) -> tuple:
+            shape, full_axes = (*lead, resident, *features), (*stack, EXPERTS, *axes)
+            host = None
+            if offloaded:
+                host_shape, host_field = (*lead, offloaded, *features), field + HOST_SUFFIX
+                host = declare(host_shape, dtype, full_axes, host_field, memory_kind="pinned_host")
+            return declare(shape, dtype, full_axes, field), host
+
+        self.e_gate, self.e_gate_host = experts("e_gate", (hidden, inter), (EMBED, EXPERT_MLP))
+        self.e_up, self.e_up_host = experts("e_up", (hidden, inter), (EMBED, EXPERT_MLP))
+        self.e_down, self.e_down_host = experts("e_down", (inter, hidden), (EXPERT_MLP, EMBED))
+        shared = cfg.shared_intermediate_size
+        up, down = (hidden, shared), (shared, hidden)
+
+        def proj(features: tuple[int, int], axes: tuple[str, str], field: str) -> Linear | None:
+            return (
+                projection(lead, features, axes, dtype, field, None, quantized) if shared else None
+            )
+
+        self.s_gate = proj(up, (EMBED, FFN), "s_gate")
+        self.s_up = proj(up, (EMBED, FFN), "s_up")
+        self.s_down = proj(down, (FFN, EMBED), "s_down")
+        gate = (lead, (hidden, 1), (EMBED, ROUTER), dtype, "s_router")
+        self.s_router = Linear(*gate) if shared and cfg.shared_gate else None
+
+    def __call__(
+        self,
+        x: jax.Array,  # [..., hidden]
+        valid: jax.Array | None = None,  # [...] bool: the tokens that count
+    ) -> jax.Array:  # [..., hidden]
+        """``moe_mlp`` with this layer's weights."""
+        return moe_mlp(self.cfg, x, self.fields(), valid)

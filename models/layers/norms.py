@@ -8,10 +8,13 @@ rounded to int8 (``--matmul-dtype int8``), where a last-bit change can move a co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jax_llm_runtime.models.layers.params import Block, declare
 
 NORM_KINDS = ("rms", "rms_one", "layer")
 
@@ -68,3 +71,26 @@ def row_mean(x: jax.Array) -> jax.Array:  # [..., n] -> [..., 1]
         width //= 2
         x = x[..., :width] + x[..., width:]
     return x / n
+
+
+class Norm(Block):
+    """A norm's weight (``field``) and, for LayerNorm with ``bias``, its bias (``field_b``), of
+    ``shape`` (stacked layers first) along logical ``axes``."""
+
+    def __init__(
+        self,
+        cfg: NormConfig,
+        shape: Sequence[int],
+        axes: Sequence[str],
+        dtype: jnp.dtype,
+        field: str,
+        bias: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.weight = declare(shape, dtype, axes, field)
+        with_bias = bias and cfg.kind == "layer"
+        self.bias = declare(shape, dtype, axes, field + "_b") if with_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim] -> like x
+        bias = None if self.bias is None else self.bias.get_value()
+        return apply_norm(self.cfg, x, self.weight.get_value(), bias)

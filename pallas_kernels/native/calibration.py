@@ -148,7 +148,7 @@ def _measure_dequant() -> dict[str, dict[str, float]]:
     """SmolLM2-135M's shapes: a Q4_1 MLP projection [576, 1536] at 1 and 8 rows against the
     reference (the projections stay packed either way, so XLA dequantizes them on every call),
     and its Q8_0 LM head [576, 49152] at 16 rows against a float32 head's dot (what the loader
-    makes of the head where the kernel loses: see ``models.decoder``)."""
+    makes of the head where the kernel loses: see ``models.checkpoint``)."""
     rng = np.random.default_rng(0)
     projection = _gguf_weight(T.Q4_1, 576, 1536, rng)
     head = _gguf_weight(T.Q8_0, 576, 49152, rng)

@@ -30,13 +30,16 @@ import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from jax_llm_runtime.models.decoder import Decoder
 from jax_llm_runtime.runtime.config import EngineConfig
 from jax_llm_runtime.runtime.loading.builder import (
     LoadedModel,
@@ -60,7 +63,7 @@ from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 # Bumped whenever what a prepared checkpoint holds, or how, changes: an older one is refused.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the weights are the split NNX model (its state and declaration)
 WEIGHTS, TOKENIZER, CONFIG = "weights", "tokenizer", "config.json"
 CHAT_TEMPLATE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
 # The EngineConfig fields the stored arrays depend on (dtype and isq are checked on their own).
@@ -126,7 +129,8 @@ def load_prepared(config: EngineConfig, files: ModelFiles, packed: bool = True) 
     # The tokenizer (mostly JSON parsing) loads while orbax reads the arrays.
     with ThreadPoolExecutor(1) as pool:
         tokenizer = pool.submit(_load_tokenizer, folder, manifest["eos_token_ids"])
-        weights = _restore(folder, manifest["tree"], operands, _first_mesh(config))
+        declare = lambda declared: nnx.graphdef(Decoder.declared(model_config, declared))  # noqa: E731
+        weights = _restore(folder, manifest["tree"], operands, _first_mesh(config), declare)
         dtype = resolve_dtype(config.dtype)
         loaded = LoadedModel(
             files, spec, model_config, weights, tokenizer.result(), dtype, hf_config
@@ -201,10 +205,17 @@ def _prepared_config(folder: Path, manifest: dict[str, Any], config: EngineConfi
     return dataclasses.replace(config, dtype=prepared["dtype"], isq=prepared["isq"])
 
 
-def _restore(folder: Path, skeleton: Skeleton, operands: tuple[Any, Any], mesh: Any) -> Any:
+def _restore(
+    folder: Path,
+    skeleton: Skeleton,
+    operands: tuple[Any, Any],
+    mesh: Any,
+    graphdef_for: Callable[[dict], Any],
+) -> Any:
     """The weight pytree of ``skeleton``, its arrays read by orbax straight into their
     shardings on ``mesh`` (off a mesh: the first device), and the quantized weights' matmul
-    operands rebound from ``operands[0]`` (prepared) to ``operands[1]`` (this run's)."""
+    operands rebound from ``operands[0]`` (prepared) to ``operands[1]`` (this run's); the split
+    model's graph definition declared again by ``graphdef_for`` (``weight_tree.assemble``)."""
     import orbax.checkpoint as ocp
 
     device = jax.devices()[0]
@@ -226,7 +237,7 @@ def _restore(folder: Path, skeleton: Skeleton, operands: tuple[Any, Any], mesh: 
             )
         # Where orbax placed an array elsewhere (another memory kind), it moves once.
         arrays = jax.tree.map(_placed_as, arrays, target)
-        return assemble(skeleton, arrays)
+        return assemble(skeleton, arrays, graphdef_for)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise PreparedCheckpointError(
             f"{folder}: cannot restore the weights ({_first_line(e)}); prepare it again"

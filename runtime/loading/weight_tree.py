@@ -7,8 +7,11 @@ tree of its arrays (string-keyed dicts only, which every orbax version stores th
 ``abstract_arrays`` gives the orbax restore target of a skeleton (shapes, dtypes, shardings)
 and ``assemble`` rebuilds the pytree from a skeleton and its arrays. Node kinds:
 
-- ``dict`` (string keys), ``tuple`` and ``list`` (their items keyed "0", "1", ... among the
-  arrays), and ``none``;
+- ``dict`` (string keys, or int keys: the indices of a module list, stored as strings),
+  ``tuple`` and ``list`` (their items keyed "0", "1", ... among the arrays), and ``none``;
+- ``model``: a split model (``models.state.ModelWeights``): its state, and what declared its
+  graph definition (``declared``, JSON), which ``assemble`` turns back into one through its
+  ``graphdef_for``;
 - ``array``: shape, dtype, the ``PartitionSpec`` it was placed with (null off a mesh) and its
   memory kind (``pinned_host`` for offloaded experts);
 - ``node``: a pytree dataclass of ``NODE_TYPES`` (the packed and int8 weights) by class name,
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jax_llm_runtime.models.layers.linear import QuantizedWeight
+from jax_llm_runtime.models.state import ModelWeights
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 
 Skeleton = dict[str, Any]
@@ -48,7 +52,8 @@ def describe(tree: Any) -> tuple[Skeleton, dict[str, Any]]:
     """The skeleton of ``tree`` and the plain nested dict of its arrays (see the module
     docstring). Raises WeightTreeError for a node it cannot describe."""
     skeleton, arrays = _describe(tree, "weights")
-    rebuilt = assemble(skeleton, arrays)
+    graphdef = getattr(tree, "graphdef", None)
+    rebuilt = assemble(skeleton, arrays, lambda _: graphdef)
     if jax.tree.structure(rebuilt) != jax.tree.structure(tree):
         raise WeightTreeError(
             "the weight tree's description does not rebuild its structure: "
@@ -57,10 +62,13 @@ def describe(tree: Any) -> tuple[Skeleton, dict[str, Any]]:
     return skeleton, arrays or {}
 
 
-def assemble(skeleton: Skeleton, arrays: Any) -> Any:
+def assemble(
+    skeleton: Skeleton, arrays: Any, graphdef_for: Callable[[dict], Any] | None = None
+) -> Any:
     """The pytree of ``skeleton`` with its arrays taken from ``arrays`` (``describe``'s plain
-    dict, or orbax's restore of it). Raises WeightTreeError for a malformed skeleton or a
-    missing array."""
+    dict, or orbax's restore of it); a split model's graph definition is
+    ``graphdef_for(declared)``. Raises WeightTreeError for a malformed skeleton or a missing
+    array."""
     kind = skeleton.get("kind")
     if kind == "none":
         return None
@@ -69,11 +77,15 @@ def assemble(skeleton: Skeleton, arrays: Any) -> Any:
             raise WeightTreeError(f"no array for a leaf of shape {skeleton.get('shape')}")
         return arrays
     children = {
-        key: assemble(child, arrays.get(key) if isinstance(arrays, dict) else None)
+        key: assemble(child, arrays.get(key) if isinstance(arrays, dict) else None, graphdef_for)
         for key, child in _children(skeleton)
     }
     if kind == "dict":
-        return children
+        return {int(k): v for k, v in children.items()} if skeleton.get("int_keys") else children
+    if kind == "model":
+        if graphdef_for is None:
+            raise WeightTreeError("a split model's skeleton needs its graph definition")
+        return ModelWeights(graphdef_for(skeleton["declared"]), children["state"])
     if kind in ("tuple", "list"):
         items = [children[str(i)] for i in range(len(children))]
         return tuple(items) if kind == "tuple" else items
@@ -124,7 +136,7 @@ def _nodes(skeleton: Skeleton) -> Iterator[Skeleton]:
 
 def _children(skeleton: Skeleton) -> list[tuple[str, Skeleton]]:
     kind = skeleton.get("kind")
-    if kind == "dict":
+    if kind in ("dict", "model"):
         return list(skeleton["items"].items())
     if kind in ("tuple", "list"):
         return [(str(i), child) for i, child in enumerate(skeleton["items"])]
@@ -139,11 +151,11 @@ def _describe(node: Any, where: str) -> tuple[Skeleton, Any]:
         return {"kind": "none"}, None
     if isinstance(node, jax.Array):
         return _array(node), node
+    if isinstance(node, ModelWeights):
+        skeleton, arrays = _container("model", {"state": _describe(node.state, where)})
+        return {**skeleton, "declared": node.model().declaration()}, arrays
     if type(node) is dict:
-        bad = [key for key in node if not isinstance(key, str)]
-        if bad:
-            raise WeightTreeError(f"{where} has a key that is not a string: {bad[0]!r}")
-        return _container("dict", {key: _describe(v, f"{where}.{key}") for key, v in node.items()})
+        return _dict(node, where)
     if type(node) in (tuple, list):
         described = {str(i): _describe(v, f"{where}[{i}]") for i, v in enumerate(node)}
         skeleton, arrays = _container("dict", described)
@@ -154,6 +166,17 @@ def _describe(node: Any, where: str) -> tuple[Skeleton, Any]:
         f"{where} is a {type(node).__name__}, which a prepared checkpoint cannot hold "
         "(runtime.loading.weight_tree.NODE_TYPES lists the node types it can)"
     )
+
+
+def _dict(node: dict, where: str) -> tuple[Skeleton, Any]:
+    """A dict with string keys, or with int keys (a module list's indices, kept as strings)."""
+    ints = bool(node) and all(type(key) is int for key in node)
+    bad = [key for key in node if not isinstance(key, str)] if not ints else []
+    if bad:
+        raise WeightTreeError(f"{where} has a key that is not a string: {bad[0]!r}")
+    described = {str(key): _describe(v, f"{where}.{key}") for key, v in node.items()}
+    skeleton, arrays = _container("dict", described)
+    return ({**skeleton, "int_keys": True} if ints else skeleton), arrays
 
 
 def _container(kind: str, described: dict[str, tuple[Skeleton, Any]]) -> tuple[Skeleton, Any]:

@@ -1,50 +1,56 @@
 """Tensor parallelism: one SPMD step over a device mesh, the weights and the KV cache split on it.
 
-The mesh has one axis, ``tp``, over the chosen devices. The rules below say which axis of each
-weight field is split; everything else is replicated. XLA's partitioner derives the rest (the
-activations' layouts and the all-reduces after the row-parallel projections) from them:
+The mesh has one axis, ``tp``, over the chosen devices. Where each weight goes derives from its
+declaration (``models.layers.params``): every parameter names a logical axis per array axis,
+and ``LOGICAL_RULES`` below maps the logical axes that split onto ``tp``; every other axis is
+whole. XLA's partitioner derives the rest (the activations' layouts and the all-reduces after
+the projections whose input is split) from them. What the model's declarations give:
 
-- column-parallel (output features split, so heads and MLP columns are local): ``wq``, ``wk``,
-  ``wv``, ``w_gate``, ``w_up`` (and the shared experts' ``s_gate``, ``s_up``) and their biases;
-- row-parallel (input features split; the partial sums are all-reduced): ``wo``, ``w_down``,
-  ``s_down``;
-- the vocabulary: ``embed`` (rows) and ``lm_head`` (columns), so the largest matrices of a small
-  model are split too;
-- the KV cache over its KV-head axis, so each device keeps the K/V of its own heads;
-- multi-head latent attention (DeepSeek, ``models.layers.mla``) by heads as well: the per-head
-  query projection (``wq``, or ``wq_b`` after the low-rank ``wq_a``; each head's nope and rope
-  columns lie together) and the up-projection ``wkv_b`` (each head's W_UK and W_UV columns)
-  column-parallel, ``wo`` row-parallel. The low-rank ``wq_a`` and ``wkv_a``, their norms and
-  biases, and the latent KV cache (one row that every head reads: its KV-head axis has size 1)
-  are replicated, so each device attends with its own heads over the whole latent cache, in the
-  absorbed form of decode as in the expanded form without the cache;
-- with expert parallelism, the routed experts' stacks (``e_gate``, ``e_up``, ``e_down``) over
-  their expert axis, so each device keeps its share of the experts whole (the router and the
-  shared expert follow the rules above). Offloaded experts' stacks split the same way and stay
-  in the pinned host memory of their devices (``models.layers.expert_offload``).
+- column-parallel (heads and MLP columns local): the query, key and value projections, the
+  MLP's and the shared expert's gate and up projections, and their biases;
+- row-parallel (input features split; partial sums all-reduced): the attention output and the
+  MLP's (and shared expert's) down projection;
+- the vocabulary: the embedding table's rows and the LM head's columns, so the largest matrices
+  of a small model are split too;
+- the KV cache over its KV-head axis (``models.decoder.KV_CACHE_AXES``), so each device keeps
+  the K/V of its own heads; MLA's latent cache (one KV "head" that every head reads) is whole;
+- multi-head latent attention by heads: the per-head query projection and ``wkv_b`` by their
+  head columns, ``wo`` along its input; the low-rank projections and their norms stay whole, so
+  each device attends with its own heads over the whole latent cache;
+- with expert parallelism, the routed experts' stacks over their expert axis, so each device
+  keeps its share of the experts whole. Offloaded experts' stacks split the same way and stay in
+  the pinned host memory of their devices (``models.layers.expert_offload``).
 
-Packed and int8 weights split the same way: every array of a ``PackedWeight`` along the same
-logical axis (codes and group scales together), an int8 weight's per-column scales with its
-columns. Attention heads, and outside MLA the KV heads, must divide by the tensor-parallel size
-(a clear error at startup), so that every device holds whole heads.
+Quantized values split along the same logical axes: every array of a ``PackedWeight`` (codes
+and group scales together; an axis of size 1, a per-matrix zero, stays whole), an int8 weight's
+per-column scales (which lack the input axis) with its columns. An axis that does not divide by
+the mesh size stays whole (a vocabulary of 32001: the step stays correct). Attention heads, and
+outside MLA the KV heads, must divide by the tensor-parallel size (a clear error at startup), so
+that every device holds whole heads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_llm_runtime.models.decoder import KV_CACHE_AXES
+from jax_llm_runtime.models.layers.params import EXPERTS, FFN, HEADS, KV_HEADS, VOCAB
+from jax_llm_runtime.models.state import ModelWeights, nested
+
 AXIS = "tp"
-_COLUMN = frozenset(
-    ("wq", "wk", "wv", "w_gate", "w_up", "s_gate", "s_up", "bq", "bk", "bv", "b_up")
-).union(("wq_b", "wkv_b"))  # MLA's per-head projections
-_ROW = frozenset(("wo", "w_down", "s_down"))
-# [layers, experts, in, out] in a segment; ``*_host``: the experts offloaded to host memory
-_EXPERTS = frozenset(("e_gate", "e_up", "e_down", "e_gate_host", "e_up_host", "e_down_host"))
+# Logical axis -> mesh axis; every logical axis not named stays whole.
+LOGICAL_RULES = {VOCAB: AXIS, HEADS: AXIS, KV_HEADS: AXIS, FFN: AXIS}
+
+
+def logical_rules(expert_parallel: bool) -> dict[str, str]:
+    """``LOGICAL_RULES``, with the routed experts split too under expert parallelism."""
+    return LOGICAL_RULES | ({EXPERTS: AXIS} if expert_parallel else {})
 
 
 class ShardingError(ValueError):
@@ -99,64 +105,63 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) 
             )
 
 
-def _spec(ndim: int, axis: int | None) -> PartitionSpec:
-    if axis is None:
-        return PartitionSpec()
-    parts: list[str | None] = [None] * ndim
-    parts[axis % ndim] = AXIS
+def partition_spec(
+    axes: Sequence[str | None], shape: Sequence[int], rules: Mapping[str, str], size: int
+) -> PartitionSpec:
+    """The mesh split of an array of ``shape`` declared along logical ``axes``: each axis whose
+    logical name ``rules`` map, divides by the mesh ``size`` and is longer than 1 (a packed
+    weight's per-matrix zero), once per mesh axis. An array one axis short of its declaration
+    lacks the input axis (an int8 weight's per-column scales); one longer ends in axes of its
+    own (none are split)."""
+    axes = tuple(axes)
+    if len(shape) == len(axes) - 1 and len(axes) >= 2:
+        axes = (*axes[:-2], axes[-1])
+    parts: list[str | None] = []
+    for name, n in zip(axes, shape, strict=False):
+        mesh_axis = rules.get(name) if name is not None else None
+        ok = mesh_axis is not None and mesh_axis not in parts and n > 1 and n % size == 0
+        parts.append(mesh_axis if ok else None)
     return PartitionSpec(*parts)
 
 
-def _field_and_role(path: tuple[Any, ...]) -> tuple[str | None, str | None]:
-    """The weight field a leaf belongs to, and its role inside a quantized weight (``scale`` of
-    an int8 weight, ``z`` of a packed one)."""
-    field = role = None
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str):
-            field = key.key
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            role = key.name
-    return field, role
+def _declared_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    axes = var.get_metadata("out_sharding", None)
+    if axes is None:
+        raise ShardingError(f"parameter {var.get_metadata('field', '?')!r} declares no axes")
+    return tuple(axes)
 
 
-def _weight_axis(path: tuple[Any, ...], leaf: Any, expert_parallel: bool) -> int | None:
-    field, role = _field_and_role(path)
-    ndim = getattr(leaf, "ndim", 0)
-    if field in _EXPERTS:
-        return 1 if expert_parallel else None
-    if field == "embed":
-        return 0
-    if field == "lm_head":
-        return ndim - 1
-    if field in _COLUMN:
-        return None if leaf.shape[-1] == 1 else ndim - 1
-    if field in _ROW:
-        if role == "scale" or ndim < 2 or leaf.shape[-2] == 1:
-            return None  # an int8 weight's column scales; a packed weight's constant zero
-        return ndim - 2
-    return None
+def weight_shardings(weights: ModelWeights, mesh: Mesh, expert_parallel: bool = False) -> Any:
+    """The ``NamedSharding`` of every array of ``weights.state`` (a pytree like it), from the
+    parameters' declared logical axes; arrays in host memory (offloaded experts) keep it."""
+    rules = logical_rules(expert_parallel)
+
+    def of(var: nnx.Variable) -> Any:
+        axes = _declared_axes(var)
+
+        def leaf(a: Any) -> NamedSharding:
+            memory_kind = getattr(getattr(a, "sharding", None), "memory_kind", None)
+            spec = partition_spec(axes, a.shape, rules, mesh.size)
+            return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+        return jax.tree.map(leaf, var.get_value())
+
+    return nested((path, of(var)) for path, var in weights.variables())
 
 
-def shard_weights(weights: Any, mesh: Mesh, expert_parallel: bool = False) -> Any:
-    """The weight pytree placed on ``mesh`` by the rules of the module docstring."""
-
-    def place(path: tuple[Any, ...], leaf: Any) -> Any:
-        axis = _weight_axis(path, leaf, expert_parallel)
-        if axis is not None and leaf.shape[axis] % mesh.size:
-            axis = None  # e.g. a vocabulary of 32001: kept whole (the step stays correct)
-        # A leaf in host memory (offloaded experts) stays there, never passing the device's.
-        memory_kind = getattr(leaf.sharding, "memory_kind", None)
-        return jax.device_put(leaf, NamedSharding(mesh, _spec(leaf.ndim, axis), memory_kind))
-
-    return jax.tree_util.tree_map_with_path(place, weights)
+def shard_weights(weights: ModelWeights, mesh: Mesh, expert_parallel: bool = False) -> ModelWeights:
+    """The weights placed on ``mesh`` by their declared logical axes (the module docstring)."""
+    shardings = weight_shardings(weights, mesh, expert_parallel)
+    return weights.replace(state=jax.device_put(weights.state, shardings))
 
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
-    """Shardings of a ``KVCache`` pytree: K, V and their row scales split over KV heads (axis
-    3). MLA's latent cache has one KV "head" that every query head reads: it is replicated."""
+    """Shardings of a ``KVCache`` pytree by ``KV_CACHE_AXES``: K, V and their row scales split
+    over KV heads (MLA's latent cache, one KV "head", stays whole)."""
 
     def sharding(a: Any) -> NamedSharding:
-        return NamedSharding(mesh, _spec(a.ndim, 3 if a.shape[3] > 1 else None))
+        axes = KV_CACHE_AXES[: a.ndim]
+        return NamedSharding(mesh, partition_spec(axes, a.shape, LOGICAL_RULES, mesh.size))
 
     return jax.tree.map(sharding, cache)
 

@@ -30,7 +30,7 @@ def test_replicas_give_the_same_tokens_and_share_the_work(tmp_path: Path) -> Non
     save_random_model(transformers.LlamaConfig(**fields), tmp_path)
     save_byte_tokenizer(tmp_path)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     script = str(REPO / "tests/runtime/data_parallel_run.py")
     out = subprocess.run(
         [sys.executable, script, str(tmp_path), "1x1,2x1,2x2"],

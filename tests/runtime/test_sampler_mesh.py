@@ -47,7 +47,7 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_seeded_draws_on_a_vocabulary_split_mesh() -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

@@ -28,7 +28,8 @@ def run_on_four_devices(script: str, *args: str) -> dict[str, dict]:
     """Run ``tests/runtime/<script>`` with ``args`` in a fresh process that sees 4 fake CPU
     devices; its last line of output, as JSON."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    env["PYTHONPATH"] = str(REPO)
+    # The checkout under test first, then whatever the caller put on the path.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, str(REPO / "tests/runtime" / script), *args]
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

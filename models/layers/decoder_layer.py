@@ -1,0 +1,182 @@
+"""One decoder layer (norms, attention, feed-forward block) and the segments of alike layers
+that a ``Decoder`` (``models.decoder``) scans: a ``Segment`` declares one ``DecoderLayer``
+whose parameters lead with its layer axis, and runs it under ``lax.scan``, merging the layer
+module from each layer's slice of its state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.attention import FULL_WINDOW, Attention, LayerMeta
+from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
+from jax_llm_runtime.models.layers.mlp import MLP
+from jax_llm_runtime.models.layers.moe import MoE
+from jax_llm_runtime.models.layers.norms import Norm
+from jax_llm_runtime.models.layers.params import EMBED, layer_axes
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+
+if TYPE_CHECKING:
+    from jax_llm_runtime.models.decoder import DecoderConfig
+
+
+def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
+    """Stacked per-layer facts for layers ``start:end``."""
+    sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
+    window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
+    return LayerMeta(
+        index=jnp.arange(start, end, dtype=jnp.int32),
+        window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
+        local=jnp.asarray(sliding),
+    )
+
+
+class DecoderLayer(nnx.Module):
+    """One layer's (or a stack of ``lead`` layers') norms, attention and feed-forward block."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        lead: tuple[int, ...],
+        is_moe: bool,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
+    ) -> None:
+        h = cfg.hidden_size
+        self.parallel_residual = cfg.parallel_residual
+
+        def norm(name: str) -> Norm:
+            return Norm(cfg.norm, (*lead, h), (*layer_axes(lead), EMBED), dtype, name)
+
+        self.attn_norm = norm("attn_norm")
+        attention = MLA if isinstance(cfg.attention, MLAConfig) else Attention
+        self.attn = attention(cfg.attention, lead, h, dtype, quantized)
+        self.mlp_norm = None if cfg.parallel_residual else norm("mlp_norm")
+        self.attn_post_norm = norm("attn_post_norm") if cfg.sandwich_norms else None
+        self.mlp_post_norm = norm("mlp_post_norm") if cfg.sandwich_norms else None
+        if is_moe:
+            self.ffn = MoE(cfg.moe, lead, h, dtype, quantized)
+        else:
+            self.ffn = MLP(
+                lead, h, cfg.intermediate_size, dtype, cfg.activation, cfg.gated_mlp,
+                cfg.mlp_bias, quantized,
+            )  # fmt: skip
+
+    def __call__(
+        self,
+        x: jax.Array,  # [num_seqs, q_len, hidden]
+        attend: Callable[[jax.Array], tuple[jax.Array, Any]],
+        valid: jax.Array,  # [num_seqs, q_len] bool: real tokens, not padding
+    ) -> tuple[jax.Array, Any]:
+        """The layer around ``attend(h) -> (attention output, state)``; returns the new residual
+        stream and attend's state (the updated cache, or None)."""
+        h = self.attn_norm(x)
+        attn, state = attend(h)
+        if self.parallel_residual:
+            return x + attn + self._ffn(h, valid), state
+        if self.attn_post_norm is not None:
+            attn = self.attn_post_norm(attn)
+        x = x + attn
+        out = self._ffn(self.mlp_norm(x), valid)
+        if self.mlp_post_norm is not None:
+            out = self.mlp_post_norm(out)
+        return x + out, state
+
+    def _ffn(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+        return self.ffn(h, valid) if isinstance(self.ffn, MoE) else self.ffn(h)
+
+    def paged(
+        self,
+        x: jax.Array,  # [num_seqs, q_len, hidden]
+        cache: KVCache,
+        meta: LayerMeta,
+        batch: StepBatch,
+        valid: jax.Array,  # [num_seqs, q_len] bool
+        native: bool,
+    ) -> tuple[jax.Array, KVCache]:
+        """The layer over the paged cache (its new K/V written first)."""
+
+        def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
+            if isinstance(self.attn, MLA):
+                return self.attn(h, cache, meta.index, batch)
+            return self.attn(h, cache, meta, batch, native)
+
+        return self(x, attend, valid)
+
+    def causal(
+        self,
+        x: jax.Array,  # [num_seqs, seq_len, hidden]
+        positions: jax.Array,  # [num_seqs, seq_len] int32
+        lengths: jax.Array,  # [num_seqs] int32
+        meta: LayerMeta,
+        valid: jax.Array,  # [num_seqs, seq_len] bool
+    ) -> jax.Array:
+        """The layer without the cache: causal attention within each sequence."""
+
+        def attend(h: jax.Array) -> tuple[jax.Array, None]:
+            if isinstance(self.attn, MLA):
+                return self.attn.causal(h, positions, lengths), None
+            return self.attn.causal(h, positions, lengths, meta), None
+
+        return self(x, attend, valid)[0]
+
+
+class Segment(nnx.Module):
+    """Layers ``start:end``, alike: one ``DecoderLayer`` with stacked parameters, scanned."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        start: int,
+        end: int,
+        is_moe: bool,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
+    ) -> None:
+        self.start, self.end = start, end
+        self.layers = DecoderLayer(cfg, (end - start,), is_moe, dtype, quantized)
+
+    def scan(
+        self,
+        cfg: DecoderConfig,
+        step: Callable[[DecoderLayer, Any, LayerMeta], Any],
+        carry: Any,
+    ) -> Any:
+        """``carry = step(layer, carry, meta)`` for each layer in order, under ``lax.scan``.
+
+        XLA copies each layer's slice of a custom call's operand, so where native kernels may
+        run (``cfg.native_kernels``) the packed ``[layers, in, out]`` projections stay whole and
+        each layer sees them as ``PackedLayer``s (expert stacks have more axes and are sliced).
+        """
+        graphdef, whole, sliced = nnx.split(self.layers, _whole_stack(cfg.native_kernels), ...)
+
+        def body(carry: Any, xs: tuple[nnx.State, LayerMeta]) -> tuple[Any, None]:
+            state, meta = xs
+            index = meta.index - self.start
+            own = jax.tree.map(
+                lambda v: v.replace(PackedLayer(v.get_value(), index)),
+                whole,
+                is_leaf=lambda v: isinstance(v, nnx.Variable),
+            )
+            return step(nnx.merge(graphdef, state, own), carry, meta), None
+
+        carry, _ = jax.lax.scan(body, carry, (sliced, layer_meta(cfg, self.start, self.end)))
+        return carry
+
+
+def _whole_stack(native: bool) -> Callable[[tuple, Any], bool]:
+    """The filter of the parameters a layer scan keeps whole: packed ``[layers, in, out]``
+    projections, where native kernels may run."""
+
+    def whole(path: tuple, var: Any) -> bool:
+        value = var.get_value()
+        return native and isinstance(value, PackedWeight) and value.planes[0].ndim == 3
+
+    return whole

@@ -1,0 +1,102 @@
+"""Every parameter is declared once with its shape, dtype, logical sharding axes and checkpoint
+field, and the mesh placement of the weights derives from those declarations alone.
+
+The placement runs on 4 fake CPU devices in a fresh process (``declared_shardings_run.py``),
+since JAX fixes its device count when it starts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_llm_runtime.models.decoder import PACKED_FIELDS, Decoder
+from jax_llm_runtime.models.layers.params import params
+from tests.runtime.declared_shardings_run import CONFIGS
+from tests.runtime.test_tensor_parallel import run_on_four_devices
+
+SPLIT = {"vocab", "heads", "kv_heads", "mlp"}  # the logical axes the mesh splits
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("quantized", [(), tuple(PACKED_FIELDS)])
+def test_every_parameter_declares_its_axes_and_field(name: str, quantized: tuple) -> None:
+    model = Decoder(CONFIGS[name], jnp.bfloat16, frozenset(quantized), packed_head=True)
+    declared = params(model)
+    assert declared
+    for path, var in declared:
+        value = var.get_value()
+        axes = var.get_metadata("out_sharding")
+        assert len(axes) == value.ndim, path
+        assert value.dtype == jnp.bfloat16, path
+        assert isinstance(var.get_metadata("field"), str), path
+        if path[0] == "segments":
+            assert axes[0] == "layers", path  # stacked layers lead every per-layer weight
+
+
+@pytest.fixture(scope="module")
+def placed() -> dict:
+    return run_on_four_devices("declared_shardings_run.py")
+
+
+def _split_axes(entry: dict) -> list[int]:
+    return [i for i, part in enumerate(entry["spec"]) if part == "tp"]
+
+
+def test_mesh_placement_follows_the_declared_axes(placed: dict) -> None:
+    for run, fields in placed.items():
+        if run == "renamed":
+            continue
+        split = SPLIT | ({"experts"} if run.endswith("ep=True") else set())
+        for field, entry in fields.items():
+            axes, shape = entry["axes"], entry["shape"]
+            want = [
+                i for i, a in enumerate(axes) if a in split and shape[i] > 1 and shape[i] % 4 == 0
+            ]
+            assert _split_axes(entry) == want[:1], (run, field, entry)
+    llama = placed["llama/ep=False"]
+    assert llama["embed"]["spec"] == ["tp", None]  # vocabulary rows
+    assert llama["lm_head"]["spec"] == [None, "tp"]  # vocabulary columns
+    assert llama["0.wq"]["spec"] == [None, None, "tp"] and llama["0.bq"]["spec"] == [None, "tp"]
+    assert llama["0.wo"]["spec"] == [None, "tp", None]  # row-parallel
+    assert llama["0.w_down"]["spec"] == [None, "tp", None]
+    assert not _split_axes(llama["0.attn_norm"]) and not _split_axes(llama["final_norm"])
+    deepseek = placed["deepseek/ep=True"]
+    assert deepseek["0.wq_b"]["spec"] == [None, None, "tp"]  # MLA by heads
+    assert not _split_axes(deepseek["0.wq_a"]) and not _split_axes(deepseek["0.kv_a_norm"])
+    assert deepseek["1.e_gate"]["spec"][:2] == [None, "tp"]  # experts with expert parallelism
+    assert not _split_axes(placed["deepseek/ep=False"]["1.e_gate"])
+    assert deepseek["1.e_up_host"]["memory_kind"] == "pinned_host"
+    assert deepseek["1.e_up_host"]["spec"][:2] == [None, "tp"]
+
+
+def test_changing_a_declaration_moves_the_weight(placed: dict) -> None:
+    assert placed["renamed"]["final_norm"]["spec"] == ["tp"]
+    assert placed["llama/ep=False"]["final_norm"]["spec"] == [None]
+
+
+def test_packed_projections_are_quantized_linear_modules(tmp_path) -> None:
+    import dataclasses
+
+    import numpy as np
+    import transformers
+
+    from jax_llm_runtime.models.layers.linear import Linear, QuantizedLinear
+    from jax_llm_runtime.models.registry import model_config_from_hf
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+    from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+    from tests.models.harness import TINY, save_random_model
+
+    save_random_model(transformers.LlamaConfig(**TINY), tmp_path)
+    checkpoint = load_hf_checkpoint(tmp_path)
+    spec, config = model_config_from_hf(checkpoint.config)
+    config = dataclasses.replace(config, quantization="q4_0")
+    weights = spec.load(config, checkpoint.tensors(packed=True), np.float32)
+    model = weights.model()
+    attn = model.segments[0].layers.attn
+    assert isinstance(attn.wq, QuantizedLinear) and isinstance(
+        attn.wq.kernel.get_value(), PackedWeight
+    )
+    assert attn.wq.kernel.get_value().shape == (2, 64, 64)  # the declared [layers, in, out]
+    assert type(model.lm_head) is Linear  # the LM head stays float
+    assert weights["segments"][0]["wq"] is not None and "lm_head" in weights
