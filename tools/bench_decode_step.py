@@ -83,6 +83,8 @@ def _load_models(args: argparse.Namespace, formats: list[str]) -> tuple[Any, Any
     spec, base = model_config_from_hf(checkpoint.config)
     dtype = resolve_dtype(args.dtype)
     natives = {"on": (True,), "off": (False,), "both": (False, True)}[args.native]
+    if jax.default_backend() != "cpu":  # the native kernels are XLA:CPU handlers
+        natives = (False,)
     models = {}
     for name in formats:
         kind = _kind(name)
@@ -152,7 +154,7 @@ def main() -> int:
         for name, ms in times.items():
             best, median = min(ms), statistics.median(ms)
             print(
-                f"  {what} {name:>15}: best {best:7.1f}  median {median:7.1f}  "
+                f"  {what} {name:>15}: best {best:8.3f}  median {median:8.3f}  "
                 f"({first / best:.2f}x the speed of {next(iter(times))})"
             )
     return 0
