@@ -17,9 +17,12 @@ and its result lands in ``DIR/accelerator_check.json``; ``DIR/accelerator_check.
    same run at the default precision is reported beside it.
 4. ``throughput``: single-stream decode of the same shape in bfloat16 through the engine (256
    tokens, EOS ignored), with the default ``--decode-steps`` and with 8.
-5. ``step``: ``tools/bench_decode_step.py`` on a Llama-3-8B-shaped model (its layer shapes, vocab
+5. ``roofline``: the same weights multiplied by XLA's plain dots alone (no attention, norms or
+   sampling), the bandwidth a step could reach with the dots XLA emits.
+6. ``step``: ``tools/bench_decode_step.py`` on a Llama-3-8B-shaped model (its layer shapes, vocab
    and head; ``--layers`` of its 32 layers, 8 by default so it is made and loaded in seconds) in
-   bfloat16 and re-quantized to Q4_0, at 1 and 64 sequences of 1,024 positions each, with the
+   bfloat16 and re-quantized to Q4_0, with the kernels the runtime chooses and with the Pallas
+   kernels forced (``--pallas``), at 1 and 64 sequences of 1,024 positions each, with the
    memory-bandwidth utilization of each step: the bytes a step must read (every weight but the
    embedding table, plus the KV cache of every sequence) over the step time and the device's peak.
 
@@ -305,16 +308,18 @@ def part_step(args: argparse.Namespace) -> dict:
         config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
         * (config["hidden_size"] // config["num_attention_heads"]) * 2
     )
-    for fmt in args.step_formats.split(","):
+    runs = [(fmt, pallas) for pallas in (False, True) for fmt in args.step_formats.split(",")]
+    for fmt, pallas in runs:
         command = [sys.executable, str(REPO / "tools" / "bench_decode_step.py"), "--model-id",
                    str(folder), "--formats", fmt, "--dtype", "bfloat16", "--num-seqs",
                    args.num_seqs, "--context", str(args.context), "--rounds", "5",
-                   "--native", "off"]
+                   "--native", "off", *(["--pallas"] if pallas else [])]
+        label = f"{fmt}+pallas" if pallas else fmt
         try:
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                                     timeout=args.part_timeout, env=_env())
         except subprocess.TimeoutExpired:
-            out[fmt] = {"error": f"timed out after {args.part_timeout} s"}
+            out[label] = {"error": f"timed out after {args.part_timeout} s"}
             continue
         rows = {}
         for num, best, median in re.findall(
@@ -322,14 +327,57 @@ def part_step(args: argparse.Namespace) -> dict:
         ):
             n = int(num)
             row = {"best_ms": float(best), "median_ms": float(median)}
-            if fmt == "float":
+            if fmt == "float":  # the bytes of a packed format's step are not counted here
                 read = weight_bytes + n * args.context * kv_per_position
                 row["bytes_read"] = read
                 row["bandwidth_GBps"] = round(read / (float(best) / 1e3) / 1e9, 1)
                 if args.peak:
                     row["mbu"] = round(read / (float(best) / 1e3) / args.peak, 3)
             rows[n] = row
-        out[fmt] = rows or {"error": (result.stdout + result.stderr)[-3000:]}
+        out[label] = rows or {"error": (result.stdout + result.stderr)[-3000:]}
+    return out
+
+
+def part_roofline(args: argparse.Namespace) -> dict:
+    """What XLA's plain dots reach on this device for the step part's weights (its layers'
+    projections and the LM head, bfloat16, no attention, norms or sampling): the ceiling the
+    step's bandwidth is compared with."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = dict(TINY if args.tiny else LLAMA3_8B)
+    layers = min(args.layers, cfg["num_hidden_layers"])
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
+    key = jax.random.PRNGKey(0)
+    shapes = [(d, d + 2 * kv), (d, d), (d, 2 * f), (f, d)] * layers + [(d, v)]
+    weights = [
+        (jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for i, s in enumerate(shapes)
+    ]
+
+    @jax.jit
+    def step(x, ws):
+        for i in range(layers):
+            wqkv, wo, wgu, wd = ws[4 * i : 4 * i + 4]
+            x = x + (x @ wqkv)[:, :d] @ wo
+            h = x @ wgu
+            x = x + (jax.nn.silu(h[:, :f]) * h[:, f:]) @ wd
+        return x @ ws[-1]
+
+    total = sum(w.size * 2 for w in weights)
+    out: dict[str, Any] = {"bytes": total, "layers": layers}
+    for n in [int(n) for n in args.num_seqs.split(",")]:
+        x = jnp.ones((n, d), jnp.bfloat16) * 0.01
+        jax.block_until_ready(step(x, weights))
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(x, weights))
+            best = min(best, time.perf_counter() - t0)
+        out[n] = {"best_ms": round(best * 1e3, 3), "bandwidth_GBps": round(total / best / 1e9, 1)}
+        if args.peak:
+            out[n]["mbu"] = round(total / best / args.peak, 3)
     return out
 
 
@@ -379,7 +427,8 @@ def _child(part: str, args: argparse.Namespace, extra: list[str] = (),  # type: 
            platform: str | None = None) -> dict:
     """Run one part in a fresh process and return its JSON (or what went wrong)."""
     command = [sys.executable, __file__, "--part", part, "--work", str(args.work),
-               "--part-timeout", str(args.part_timeout), *extra]
+               "--part-timeout", str(args.part_timeout), "--layers", str(args.layers),
+               "--num-seqs", args.num_seqs, "--context", str(args.context), *extra]
     if args.tiny:
         command.append("--tiny")
     t0 = time.perf_counter()
@@ -413,6 +462,11 @@ def _markdown(results: dict) -> str:
         if key.startswith("decode_steps") and isinstance(row, dict):
             lines.append(f"- {tput.get('model')}, single stream, {key}: "
                          f"{row.get('decode_tok_per_s')} tok/s")
+    roof = results.get("roofline", {})
+    for n in (k for k in roof if str(k).isdigit()):
+        row = roof[n]
+        lines.append(f"- XLA's plain dots over the step's weights, {n} rows: {row['best_ms']} ms, "
+                     f"{row['bandwidth_GBps']} GB/s, MBU {row.get('mbu')}")
     step = results.get("step", {})
     if step:
         lines += ["", f"{step.get('model')}, {step.get('context')} positions per sequence:", "",
@@ -432,7 +486,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("accelerator-check"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/accelerator-check"))
-    parser.add_argument("--parts", default="env,kernels,step,greedy,throughput")
+    parser.add_argument("--parts", default="env,kernels,roofline,step,greedy,throughput")
     parser.add_argument("--layers", type=int, default=8, help="of Llama-3-8B's 32 (step part)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--num-seqs", default="1,64")
@@ -445,6 +499,7 @@ def main() -> int:
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = {"smollm2-135m": SMOLLM2, "llama-3-8b": LLAMA3_8B, "tiny": TINY}
     args.shape_small = "tiny" if args.tiny else "smollm2-135m"
@@ -473,6 +528,11 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     for part in args.parts.split(","):
         if part == "env":
+            continue
+        if part == "roofline":  # runs JAX: a child of its own
+            extra = ["--peak", str(args.peak)] if args.peak else []
+            results[part] = _child("roofline", args, extra=extra)
+            print(part, json.dumps(results[part]), flush=True)
             continue
         t0 = time.perf_counter()
         try:

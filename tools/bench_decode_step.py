@@ -33,7 +33,9 @@ import jax.numpy as jnp
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.registry import model_config_from_hf
+from jax_llm_runtime.pallas_kernels.dequant_matmul import ops as dequant_ops
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.pallas_kernels.paged_attention import ops as attention_ops
 from jax_llm_runtime.runtime.config import ISQ_CHOICES
 from jax_llm_runtime.runtime.loading.builder import load_checkpoint, resolve_dtype
 from jax_llm_runtime.runtime.loading.sources import resolve_model_source
@@ -74,6 +76,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--native", choices=("on", "off", "both"), default="on")
+    parser.add_argument(
+        "--pallas",
+        action="store_true",
+        help="run the Pallas attention and dequant-matmul kernels on this backend where the "
+        "runtime would not choose them yet (an accelerator before its kernels are enabled)",
+    )
     return parser.parse_args()
 
 
@@ -123,13 +131,18 @@ def _compiled_steps(spec: Any, models: dict, batch: Any, cache: Any) -> dict[str
 
 def main() -> int:
     args = _parse_args()
+    if args.pallas:
+        backend = jax.default_backend()
+        for ops in (attention_ops, dequant_ops):
+            ops.KERNEL_BACKENDS = (*ops.KERNEL_BACKENDS, backend)
     formats = args.formats.split(",")
     for name in formats:
         if _kind(name) not in ("float", "packed", *ISQ_CHOICES):
             print(f"bench_decode_step: unknown format {name!r}", file=sys.stderr)
             return 2
     spec, base, dtype, models = _load_models(args, formats)
-    print(f"{args.model_id}: step ms ({jax.default_backend()})")
+    kernels = " with the Pallas kernels" if args.pallas else ""
+    print(f"{args.model_id}: step ms ({jax.default_backend()}{kernels})")
     shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
     shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
     for num_seqs, q_len, context in shapes:
