@@ -73,3 +73,9 @@ build-peer:
 # aarch64 wheels in ~/.cache/runtime-arm64. Args go to pytest, e.g. `just test-arm64 -k matches`.
 test-arm64 *ARGS:
     bash tools/arm64_kernel_tests.sh {{ARGS}}
+
+# On a machine with a GPU or TPU: kernel tests on the device, greedy tokens against the CPU, speed
+# and memory-bandwidth utilization (tools/accelerator_check.py --help); results land in OUT.
+# Uses the Python on PATH (the device's own JAX), not the CPU venv.
+accelerator-check OUT *ARGS:
+    python3 tools/accelerator_check.py --out {{OUT}} {{ARGS}}

@@ -174,8 +174,20 @@ def _peak(kind: str) -> float | None:
 def part_kernels(args: argparse.Namespace) -> dict:
     marker = "tpu" if args.backend == "tpu" else "gpu"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-rA",
-         "-o", "addopts=", "tests/pallas_kernels"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            marker,
+            "-rA",
+            "-o",
+            "addopts=",
+            "tests/pallas_kernels",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -184,12 +196,20 @@ def part_kernels(args: argparse.Namespace) -> dict:
     )
     counts = {
         word: int(n)
-        for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)",
-                                  result.stdout.splitlines()[-1] if result.stdout else "")
+        for n, word in re.findall(
+            r"(\d+) (passed|failed|skipped|error|errors|deselected)",
+            result.stdout.splitlines()[-1] if result.stdout else "",
+        )
     }
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR"))]
-    return {"returncode": result.returncode, "counts": counts, "tests": lines,
-            "tail": (result.stdout + result.stderr)[-4000:]}
+    lines = [
+        ln for ln in result.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR"))
+    ]
+    return {
+        "returncode": result.returncode,
+        "counts": counts,
+        "tests": lines,
+        "tail": (result.stdout + result.stderr)[-4000:],
+    }
 
 
 def _engine(folder: Path, **fields: Any) -> Any:
@@ -242,8 +262,11 @@ def part_greedy_tokens(args: argparse.Namespace) -> dict:
 
 def part_greedy(args: argparse.Namespace) -> dict:
     folder = args.work / "smollm2-shape-f32"
-    _child("make", args, extra=["--folder", str(folder), "--shape", args.shape_small,
-                                "--dtype", "float32"])
+    _child(
+        "make",
+        args,
+        extra=["--folder", str(folder), "--shape", args.shape_small, "--dtype", "float32"],
+    )
     out: dict[str, Any] = {"model": f"{args.shape_small} shape, random float32 weights"}
     runs = {"cpu": ("cpu", None), "device_highest": (None, "highest"), "device_default": (None, "")}
     for name, (platform, precision) in runs.items():
@@ -255,16 +278,19 @@ def part_greedy(args: argparse.Namespace) -> dict:
         if cpu and tokens:
             out[f"{name}_equal"] = tokens == cpu
             out[f"{name}_first_difference"] = [
-                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                for x, y in zip(tokens, cpu)
+                next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+                for x, y in zip(tokens, cpu, strict=True)
             ]
     return out
 
 
 def part_throughput(args: argparse.Namespace) -> dict:
     folder = args.work / "smollm2-shape-f32"
-    _child("make", args, extra=["--folder", str(folder), "--shape", args.shape_small,
-                                "--dtype", "float32"])
+    _child(
+        "make",
+        args,
+        extra=["--folder", str(folder), "--shape", args.shape_small, "--dtype", "float32"],
+    )
     out = _child("throughput_run", args, extra=["--folder", str(folder)])
     out["model"] = f"{args.shape_small} shape, random weights served in bfloat16"
     return out
@@ -295,8 +321,20 @@ def part_throughput_run(args: argparse.Namespace) -> dict:
 
 def part_step(args: argparse.Namespace) -> dict:
     folder = args.work / "llama3-8b-shape-bf16"
-    _child("make", args, extra=["--folder", str(folder), "--shape", args.shape_large,
-                                "--dtype", "bfloat16", "--layers", str(args.layers)])
+    _child(
+        "make",
+        args,
+        extra=[
+            "--folder",
+            str(folder),
+            "--shape",
+            args.shape_large,
+            "--dtype",
+            "bfloat16",
+            "--layers",
+            str(args.layers),
+        ],
+    )
     config = json.loads((folder / "config.json").read_text())
     out: dict[str, Any] = {
         "model": f"{args.shape_large} shape, {config['num_hidden_layers']} of its layers, random "
@@ -305,19 +343,43 @@ def part_step(args: argparse.Namespace) -> dict:
     }
     weight_bytes = _bytes_read_per_step(folder, config)
     kv_per_position = (
-        config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
-        * (config["hidden_size"] // config["num_attention_heads"]) * 2
+        config["num_hidden_layers"]
+        * 2
+        * config["num_key_value_heads"]
+        * (config["hidden_size"] // config["num_attention_heads"])
+        * 2
     )
     runs = [(fmt, pallas) for pallas in (False, True) for fmt in args.step_formats.split(",")]
     for fmt, pallas in runs:
-        command = [sys.executable, str(REPO / "tools" / "bench_decode_step.py"), "--model-id",
-                   str(folder), "--formats", fmt, "--dtype", "bfloat16", "--num-seqs",
-                   args.num_seqs, "--context", str(args.context), "--rounds", "5",
-                   "--native", "off", *(["--pallas"] if pallas else [])]
+        command = [
+            sys.executable,
+            str(REPO / "tools" / "bench_decode_step.py"),
+            "--model-id",
+            str(folder),
+            "--formats",
+            fmt,
+            "--dtype",
+            "bfloat16",
+            "--num-seqs",
+            args.num_seqs,
+            "--context",
+            str(args.context),
+            "--rounds",
+            "5",
+            "--native",
+            "off",
+            *(["--pallas"] if pallas else []),
+        ]
         label = f"{fmt}+pallas" if pallas else fmt
         try:
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                    timeout=args.part_timeout, env=_env())
+            result = subprocess.run(
+                command,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=args.part_timeout,
+                env=_env(),
+            )
         except subprocess.TimeoutExpired:
             out[label] = {"error": f"timed out after {args.part_timeout} s"}
             continue
@@ -388,7 +450,7 @@ def _bytes_read_per_step(folder: Path, config: dict) -> int:
     total = 0
     for path in folder.glob("*.safetensors"):
         with safe_open(path, "np") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings"):
                     continue
                 info = f.get_slice(name)
@@ -423,25 +485,52 @@ def _env(platform: str | None = None) -> dict:
     return env
 
 
-def _child(part: str, args: argparse.Namespace, extra: list[str] = (),  # type: ignore[assignment]
-           platform: str | None = None) -> dict:
+def _child(
+    part: str,
+    args: argparse.Namespace,
+    extra: list[str] = (),  # type: ignore[assignment]
+    platform: str | None = None,
+) -> dict:
     """Run one part in a fresh process and return its JSON (or what went wrong)."""
-    command = [sys.executable, __file__, "--part", part, "--work", str(args.work),
-               "--part-timeout", str(args.part_timeout), "--layers", str(args.layers),
-               "--num-seqs", args.num_seqs, "--context", str(args.context), *extra]
+    command = [
+        sys.executable,
+        __file__,
+        "--part",
+        part,
+        "--work",
+        str(args.work),
+        "--part-timeout",
+        str(args.part_timeout),
+        "--layers",
+        str(args.layers),
+        "--num-seqs",
+        args.num_seqs,
+        "--context",
+        str(args.context),
+        *extra,
+    ]
     if args.tiny:
         command.append("--tiny")
     t0 = time.perf_counter()
     try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                timeout=args.part_timeout, env=_env(platform))
+        result = subprocess.run(
+            command,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=args.part_timeout,
+            env=_env(platform),
+        )
     except subprocess.TimeoutExpired as exc:
         tail = ((exc.stdout or b"") + (exc.stderr or b""))[-3000:]
         return {"error": f"timed out after {args.part_timeout} s", "tail": str(tail)}
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
-        return {"error": f"exit {result.returncode}", "tail": (result.stdout + result.stderr)[-3000:]}
-    out = json.loads(lines[-1][len("RESULT "):])
+        return {
+            "error": f"exit {result.returncode}",
+            "tail": (result.stdout + result.stderr)[-3000:],
+        }
+    out = json.loads(lines[-1][len("RESULT ") :])
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -460,23 +549,32 @@ def _markdown(results: dict) -> str:
     tput = results.get("throughput", {})
     for key, row in tput.items():
         if key.startswith("decode_steps") and isinstance(row, dict):
-            lines.append(f"- {tput.get('model')}, single stream, {key}: "
-                         f"{row.get('decode_tok_per_s')} tok/s")
+            lines.append(
+                f"- {tput.get('model')}, single stream, {key}: {row.get('decode_tok_per_s')} tok/s"
+            )
     roof = results.get("roofline", {})
     for n in (k for k in roof if str(k).isdigit()):
         row = roof[n]
-        lines.append(f"- XLA's plain dots over the step's weights, {n} rows: {row['best_ms']} ms, "
-                     f"{row['bandwidth_GBps']} GB/s, MBU {row.get('mbu')}")
+        lines.append(
+            f"- XLA's plain dots over the step's weights, {n} rows: {row['best_ms']} ms, "
+            f"{row['bandwidth_GBps']} GB/s, MBU {row.get('mbu')}"
+        )
     step = results.get("step", {})
     if step:
-        lines += ["", f"{step.get('model')}, {step.get('context')} positions per sequence:", "",
-                  "| format | sequences | best ms | median ms | GB/s | MBU |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"{step.get('model')}, {step.get('context')} positions per sequence:",
+            "",
+            "| format | sequences | best ms | median ms | GB/s | MBU |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for fmt, rows in step.items():
             if isinstance(rows, dict) and all(isinstance(k, int) or str(k).isdigit() for k in rows):
                 for n, row in rows.items():
-                    lines.append(f"| {fmt} | {n} | {row['best_ms']} | {row['median_ms']} | "
-                                 f"{row.get('bandwidth_GBps', '')} | {row.get('mbu', '')} |")
+                    lines.append(
+                        f"| {fmt} | {n} | {row['best_ms']} | {row['median_ms']} | "
+                        f"{row.get('bandwidth_GBps', '')} | {row.get('mbu', '')} |"
+                    )
             elif isinstance(rows, dict) and "error" in rows:
                 lines.append(f"| {fmt} | error: {rows['error'][:200]!r} | | | | |")
     return "\n".join(lines) + "\n"

@@ -13,7 +13,8 @@
 4. Shapes are never padded on the weight side (that would copy the weight on every call): only
    ``x`` is padded to whole token tiles, ``block_n`` is the largest power of two that divides
    ``out``, and when ``out`` has no such divisor of at least 16 (an odd vocabulary) the last
-   ``out % 16`` columns go through the reference on a slice of that width.
+   ``out % 16`` columns go through the reference on a slice of that width (at the tiles'
+   precision).
 
 The float weight only ever exists as one ``[block_k, block_n]`` tile per program.
 """
@@ -280,5 +281,9 @@ def dequant_matmul(
         padded = jnp.pad(x, ((0, plan.padded_tokens - num_tokens), (0, 0)))
         parts.append(_launch(padded, w, plan, interpret)[:num_tokens])
     if plan.kernel_out < out_features:
-        parts.append(reference.dequant_matmul(x, _columns_from(w, plan.kernel_out)))
+        # At the tiles' precision: a float32 x multiplies in IEEE float32 here too (XLA's GPU
+        # dots would otherwise round float32 operands to TF32, measured on an H200).
+        precision = "highest" if x.dtype == jnp.float32 else None
+        with jax.default_matmul_precision(precision):
+            parts.append(reference.dequant_matmul(x, _columns_from(w, plan.kernel_out)))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
