@@ -9,10 +9,14 @@ see a whole entry or none, and a put always replaces: JAX only puts after a comp
 happens only when the entry was missing or unreadable, so an unreadable one heals on the next
 start that needs it.
 
-Reading entries is serialized within a process: a CI run died of SIGSEGV with two compile
-threads inside jaxlib's ``deserialize_executable`` at once (not reproduced here in 600 rounds of
-8 threads, so the race is rare, but it kills the server). A read takes milliseconds against a
-compile's seconds, so compiles stay parallel and only the loading of cached ones queues.
+Loading a cached executable runs alone in the process: one thread at a time, and never while a
+step runs (``exclusive()``, which the engine holds around each step from dispatch to result).
+Two full-suite runs died inside jaxlib's ``deserialize_executable``: SIGSEGV with two compile
+threads loading at once, and SIGABRT in a non-Python (XLA) thread while a step executed beside
+one load. Neither reproduced alone (600 rounds of 8 threads loading; 530 loads while an engine
+served), so the race is rare, but it kills the server. A load takes milliseconds, so a step
+waits at most that long and only while background compiles find entries; compiles themselves
+(cache misses) stay parallel and never block a step.
 """
 
 from __future__ import annotations
@@ -69,11 +73,17 @@ def write_atomically(path: Path, value: bytes) -> None:
         raise
 
 
-_read_lock = threading.Lock()
+# Reentrant: a step that compiles its bucket on first use loads it while holding the lock.
+_exclusive = threading.RLock()
+
+
+def exclusive() -> threading.RLock:
+    """Held while a cached executable loads; the engine holds it while a step runs."""
+    return _exclusive
 
 
 def _serial_reads() -> None:
-    """Let one thread at a time load an executable from the cache (see the module's note)."""
+    """Load executables from the cache one at a time, never beside a step (the module's note)."""
     try:
         from jax._src import compilation_cache
     except ImportError:  # pragma: no cover - depends on the JAX version
@@ -84,7 +94,7 @@ def _serial_reads() -> None:
 
     @functools.wraps(read)
     def serialized_read(*args: Any, **kwargs: Any) -> Any:
-        with _read_lock:
+        with _exclusive:
             return read(*args, **kwargs)
 
     serialized_read.serialized = True  # type: ignore[attr-defined]

@@ -112,3 +112,36 @@ def test_threads_load_cached_executables_one_at_a_time(tmp_path: Path) -> None:
     most, hits = map(int, result.stdout.split())
     assert hits >= 8, "the second round did not load the first round's entries"
     assert most == 1
+
+
+BESIDE_A_STEP = r"""
+import sys, threading, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+from jax_llm_runtime.runtime.loading import xla_cache
+
+xla_cache.enable_compilation_cache(Path(sys.argv[1]))
+compile_one = lambda: jax.jit(lambda x: jnp.tanh(x) * 3).lower(jnp.ones((5,))).compile()
+compile_one()  # writes the entry
+jax.clear_caches()
+loaded = []
+with xla_cache.exclusive():  # what the engine holds while a step runs
+    loader = threading.Thread(target=lambda: (compile_one(), loaded.append(time.monotonic())))
+    loader.start()
+    time.sleep(1.0)
+    released = time.monotonic()
+loader.join()
+print(loaded[0] >= released)
+"""
+
+
+def test_a_cached_executable_never_loads_beside_a_running_step(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", BESIDE_A_STEP, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
