@@ -145,3 +145,16 @@ def test_a_cached_executable_never_loads_beside_a_running_step(tmp_path: Path) -
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True"
+
+
+def test_runtime_xla_cache_0_writes_and_reads_nothing(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUNTIME_XLA_CACHE": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "49.0"
+    assert not _entries(tmp_path)
