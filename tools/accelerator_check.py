@@ -349,15 +349,16 @@ def part_step(args: argparse.Namespace) -> dict:
         * (config["hidden_size"] // config["num_attention_heads"])
         * 2
     )
-    runs = [(fmt, pallas) for pallas in (False, True) for fmt in args.step_formats.split(",")]
-    for fmt, pallas in runs:
+    formats = args.step_formats.split(",")
+    for pallas in (False, True):  # one process per kernel choice: the model loads once in each
+        suffix = "+pallas" if pallas else ""
         command = [
             sys.executable,
             str(REPO / "tools" / "bench_decode_step.py"),
             "--model-id",
             str(folder),
             "--formats",
-            fmt,
+            ",".join(formats),
             "--dtype",
             "bfloat16",
             "--num-seqs",
@@ -370,7 +371,6 @@ def part_step(args: argparse.Namespace) -> dict:
             "off",
             *(["--pallas"] if pallas else []),
         ]
-        label = f"{fmt}+pallas" if pallas else fmt
         try:
             result = subprocess.run(
                 command,
@@ -381,11 +381,12 @@ def part_step(args: argparse.Namespace) -> dict:
                 env=_env(),
             )
         except subprocess.TimeoutExpired:
-            out[label] = {"error": f"timed out after {args.part_timeout} s"}
+            for fmt in formats:
+                out[fmt + suffix] = {"error": f"timed out after {args.part_timeout} s"}
             continue
-        rows = {}
-        for num, best, median in re.findall(
-            r"decode\s+(\d+) seqs\s+\S+: best\s+([\d.]+)\s+median\s+([\d.]+)", result.stdout
+        rows: dict[str, dict] = {fmt: {} for fmt in formats}
+        for num, fmt, best, median in re.findall(
+            r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", result.stdout
         ):
             n = int(num)
             row = {"best_ms": float(best), "median_ms": float(median)}
@@ -395,8 +396,9 @@ def part_step(args: argparse.Namespace) -> dict:
                 row["bandwidth_GBps"] = round(read / (float(best) / 1e3) / 1e9, 1)
                 if args.peak:
                     row["mbu"] = round(read / (float(best) / 1e3) / args.peak, 3)
-            rows[n] = row
-        out[label] = rows or {"error": (result.stdout + result.stderr)[-3000:]}
+            rows.setdefault(fmt, {})[n] = row
+        for fmt, by_n in rows.items():
+            out[fmt + suffix] = by_n or {"error": (result.stdout + result.stderr)[-3000:]}
     return out
 
 
