@@ -158,3 +158,39 @@ def test_runtime_xla_cache_0_writes_and_reads_nothing(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "49.0"
     assert not _entries(tmp_path)
+
+
+DISK_FULL = r"""
+import errno, os, sys
+from pathlib import Path
+import jax, numpy as np
+from jax_llm_runtime.runtime.loading import xla_cache
+
+real_fdopen = os.fdopen
+
+class Full:  # a file on a full disk: opening works, writing fails
+    def __init__(self, f): self.f = f
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.f.close()
+    def write(self, data): raise OSError(errno.ENOSPC, "No space left on device")
+
+xla_cache.os.fdopen = lambda fd, mode="r", *a, **k: Full(real_fdopen(fd, mode, *a, **k))
+xla_cache.enable_compilation_cache(Path(sys.argv[1]))
+f = jax.jit(lambda x: (x * 2.0 + 1.0).sum())
+print(float(f(np.arange(7.0, dtype=np.float32))))
+"""
+
+
+def test_a_full_disk_costs_the_cache_entry_not_the_compile(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", DISK_FULL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "49.0"
+    assert "No space left on device" in result.stderr  # JAX's warning names the cause
+    assert not _entries(tmp_path)
+    assert not list(tmp_path.glob(".partial-*")), "a failed write left its temporary file"
