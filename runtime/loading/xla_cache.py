@@ -18,8 +18,7 @@ served), so the race is rare, but it kills the server. A load takes milliseconds
 waits at most that long and only while background compiles find entries; compiles themselves
 (cache misses) stay parallel and never block a step. A third suite run died the same way with
 the loads already serialized and no step running: a lone load can crash. ``RUNTIME_XLA_CACHE=0``
-turns the cache off (every start compiles, nothing is loaded); the test suite's own process runs
-without it (``keep_in_memory``), the servers it starts keep the cache.
+turns the cache off (every start compiles, nothing is loaded).
 """
 
 from __future__ import annotations
@@ -39,21 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 ENV_SWITCH = "RUNTIME_XLA_CACHE"  # "0" keeps compiled executables in memory only
-_off_in_this_process = False
-
-
-def keep_in_memory() -> None:
-    """This process compiles everything and never uses the persistent cache (the processes it
-    starts decide for themselves, by ``RUNTIME_XLA_CACHE``)."""
-    global _off_in_this_process
-    _off_in_this_process = True
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
     """Persist compiled executables in ``cache_dir`` so a second start skips XLA compilation
-    (unless ``RUNTIME_XLA_CACHE=0`` or ``keep_in_memory()``: then every start compiles, and
-    nothing is loaded)."""
-    if _off_in_this_process or os.environ.get(ENV_SWITCH) == "0":
+    (unless ``RUNTIME_XLA_CACHE=0``: then every start compiles, and nothing is loaded)."""
+    if os.environ.get(ENV_SWITCH) == "0":
         logger.info("persistent XLA cache off")
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
