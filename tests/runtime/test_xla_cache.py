@@ -23,16 +23,21 @@ print(float(f(np.arange(7.0, dtype=np.float32))))
 """
 
 
-def _run(folder: Path) -> str:
+def _python(script: str, folder: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh process (the cache folder is set once per process); it must exit 0."""
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(folder)],
+        [sys.executable, "-c", script, str(folder)],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip()
+    return result
+
+
+def _run(folder: Path) -> str:
+    return _python(SCRIPT, folder).stdout.strip()
 
 
 def _entries(folder: Path) -> dict[str, int]:
@@ -101,14 +106,7 @@ print(most, hits)
 
 
 def test_threads_load_cached_executables_one_at_a_time(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", THREADS, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _python(THREADS, tmp_path)
     most, hits = map(int, result.stdout.split())
     assert hits >= 8, "the second round did not load the first round's entries"
     assert most == 1
@@ -136,26 +134,12 @@ print(loaded[0] >= released)
 
 
 def test_a_cached_executable_never_loads_beside_a_running_step(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", BESIDE_A_STEP, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _python(BESIDE_A_STEP, tmp_path)
     assert result.stdout.strip() == "True"
 
 
 def test_runtime_xla_cache_0_writes_and_reads_nothing(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUNTIME_XLA_CACHE": "0"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _python(SCRIPT, tmp_path, RUNTIME_XLA_CACHE="0")
     assert result.stdout.strip() == "49.0"
     assert not _entries(tmp_path)
 
@@ -182,14 +166,7 @@ print(float(f(np.arange(7.0, dtype=np.float32))))
 
 
 def test_a_full_disk_costs_the_cache_entry_not_the_compile(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", DISK_FULL, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _python(DISK_FULL, tmp_path)
     assert result.stdout.strip() == "49.0"
     assert "No space left on device" in result.stderr  # JAX's warning names the cause
     assert not _entries(tmp_path)
