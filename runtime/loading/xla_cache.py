@@ -15,9 +15,10 @@ Two full-suite runs died inside jaxlib's ``deserialize_executable``: SIGSEGV wit
 threads loading at once, and SIGABRT in a non-Python (XLA) thread while a step executed beside
 one load. Neither reproduced alone (600 rounds of 8 threads loading; 530 loads while an engine
 served), so the race is rare, but it kills the server. A load takes milliseconds, so a step
-waits at most that long and only while background compiles find entries; compiles themselves
-(cache misses) stay parallel and never block a step. A third suite run died the same way with
-the loads already serialized and no step running: a lone load can crash. ``RUNTIME_XLA_CACHE=0``
+waits at most that long and only while background compiles find entries; a compile (a cache
+miss) never blocks a step. Later suite runs died the same way with loads and compiles already
+serialized (``runtime/engine/compiled_shapes.py``) and no step running: a lone load can crash,
+so these rules narrow the crash, they do not explain it. ``RUNTIME_XLA_CACHE=0``
 turns the cache off (every start compiles, nothing is loaded).
 """
 
