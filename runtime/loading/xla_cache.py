@@ -38,13 +38,13 @@ import jax
 logger = logging.getLogger(__name__)
 
 
-ENV_SWITCH = "RUNTIME_XLA_CACHE"  # "0" keeps compiled executables in memory only
+CACHE_SWITCH = "RUNTIME_XLA_CACHE"  # "0" keeps compiled executables in memory only
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
     """Persist compiled executables in ``cache_dir`` so a second start skips XLA compilation
     (unless ``RUNTIME_XLA_CACHE=0``: then every start compiles, and nothing is loaded)."""
-    if os.environ.get(ENV_SWITCH) == "0":
+    if os.environ.get(CACHE_SWITCH) == "0":
         logger.info("persistent XLA cache off")
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
