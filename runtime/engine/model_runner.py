@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.registry import ModelSpec
-from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, to_stored
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
 from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
 from jax_llm_runtime.runtime.engine.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
@@ -230,7 +230,9 @@ class ModelRunner:
 
 
 def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
-    return jax.tree.map(lambda a: a.at[:, pages].set(jnp.nan), cache)
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    # to_stored: a cache in integer storage gets NaN's bits, not NaN cast to an integer (0).
+    return jax.tree.map(lambda a: a.at[:, pages].set(to_stored(nan, a.dtype)), cache)
 
 
 def _constrained(
