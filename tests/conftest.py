@@ -1,12 +1,51 @@
-"""Shared fixtures: the embedded default model, fetched once per machine into the user cache."""
+"""Shared fixtures: the embedded default model, fetched once per machine into the user cache;
+and the release of each test module's compiled code."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import jax
 import pytest
 
 from jax_llm_runtime.runtime.loading.sources import resolve_model_source
+
+
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit ``vm.max_map_count``); None off Linux."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            held = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return held, int(limit.read())
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """After each test module, drop the executables JAX keeps for its jitted functions.
+
+    XLA:CPU maps every compiled executable's code into a few memory maps of its own, freed only
+    when the executable is. The suite compiles thousands of shapes in one process; kept, they
+    reach the kernel's limit on maps per process (``vm.max_map_count``, 65,530 by default) near
+    the end of the run, and then the next compile or cache load fails inside jaxlib and the
+    process dies with SIGSEGV. Engines keep their own (ahead-of-time) executables for as long
+    as they live, so the session's shared engine is not affected. The check fails a module that
+    leaves the process close to the limit, naming it, instead of a later unrelated test dying.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
+    maps = _memory_maps()
+    if maps is not None and maps[0] > 0.6 * maps[1]:
+        held, limit = maps
+        pytest.fail(
+            f"after this module the process still holds {held} memory maps of the kernel's "
+            f"{limit} (vm.max_map_count); compiled code is not being released, and at the "
+            "limit XLA crashes on its next compile"
+        )
 
 
 @pytest.fixture(scope="session")
