@@ -135,9 +135,6 @@ class ModelRunner:
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
         steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
-        # Compiled (or loaded) before taking the cache lock: the background compile may hold the
-        # compile lock while it waits for this one.
-        self.compiled.get((*shape, steps))
         with xla_cache.exclusive():  # no cached executable loads while the step runs
             if steps > 1:
                 tokens, _ = self.execute(step_batch, meta, steps)
