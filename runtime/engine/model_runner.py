@@ -32,7 +32,6 @@ from jax_llm_runtime.runtime.engine.sampler import (
     sample,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, ScheduledSeq, StepKind
-from jax_llm_runtime.runtime.loading import xla_cache
 from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, replicated_sharding
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
@@ -135,12 +134,11 @@ class ModelRunner:
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
         steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
-        with xla_cache.exclusive():  # no cached executable loads while the step runs
-            if steps > 1:
-                tokens, _ = self.execute(step_batch, meta, steps)
-                return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
-            _, out = self.execute(step_batch, meta, 1)
-            token_ids = np.asarray(out.token_ids)
+        if steps > 1:
+            tokens, _ = self.execute(step_batch, meta, steps)
+            return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
+        _, out = self.execute(step_batch, meta, 1)
+        token_ids = np.asarray(out.token_ids)
         result = StepResult([[t] for t in token_ids[: len(batch.items)].tolist()])
         if np.any(meta.wants_logprobs):
             result.logprobs = _host_logprobs(batch.items, out)
