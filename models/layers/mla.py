@@ -231,7 +231,7 @@ def paged_mla(
     num_seqs, q_len, _ = x.shape
     q_nope, q_pe = _queries(cfg, x, lw, batch.positions)
     latents = _latents(cfg, x, lw, batch.positions)[:, :, None, :]  # [.., q_len, 1, cache_dim]
-    no_v = jnp.zeros((num_seqs, q_len, 1, 0), cache.v.dtype)
+    no_v = jnp.zeros((num_seqs, q_len, 1, 0), cache.dtype)
     cache = write_cache(
         cache, layer, latents, no_v, batch.positions, batch.q_lens, batch.page_indices
     )

@@ -553,6 +553,16 @@ struct Work {
   }
 };
 
+// The float type whose bits a cache buffer holds: the runtime stores a bfloat16
+// or float8 cache on CPU as same-width unsigned integers (layout.py explains why).
+ffi::DataType ValueType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::U16: return ffi::DataType::BF16;
+    case ffi::DataType::U8: return ffi::DataType::F8E4M3FN;
+    default: return t;
+  }
+}
+
 int64_t ElementBytes(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return 4;
@@ -578,8 +588,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (qd.size() != 4 || cd.size() != 5 || vd.size() != 5 ||
       !std::equal(cd.begin(), cd.end(), vd.begin()) ||
       k_cache.element_type() != v_cache.element_type() ||
-      ElementBytes(k_cache.element_type()) == 0 || cd[4] != qd[3] || qd[2] % cd[3] != 0 ||
-      query_block < 1 || (scaled && v_scales.element_count() != k_scales.element_count()) ||
+      ElementBytes(ValueType(k_cache.element_type())) == 0 || cd[4] != qd[3] ||
+      qd[2] % cd[3] != 0 || query_block < 1 ||
+      (scaled && v_scales.element_count() != k_scales.element_count()) ||
       (scaled && k_scales.element_count() * cd[4] != k_cache.element_count())) {
     return ffi::Error::InvalidArgument("paged_attention: unsupported shapes or dtypes");
   }
@@ -588,7 +599,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.out = out->typed_data();
   p.k = static_cast<const uint8_t*>(k_cache.untyped_data());
   p.v = static_cast<const uint8_t*>(v_cache.untyped_data());
-  p.dtype = k_cache.element_type();
+  p.dtype = ValueType(k_cache.element_type());
   p.element_bytes = ElementBytes(p.dtype);
   p.k_scales = scaled ? k_scales.typed_data() : nullptr;
   p.v_scales = scaled ? v_scales.typed_data() : nullptr;

@@ -2,7 +2,8 @@
 
 The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_shape``,
 ``kv_cache_bytes`` for a float8 cache) instead of hard-coding it, and write through
-``write_cache``.
+``write_cache``. A bfloat16 or float8 cache is stored as integers on CPU (``storage_dtype``);
+anything that reads its arrays directly goes through ``from_stored``.
 ``attention`` picks the Pallas kernel (``kernel.py``), the native CPU kernel (``native.py``) or
 the reference (``reference.py``).
 """
@@ -10,10 +11,14 @@ the reference (``reference.py``).
 from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
     FP8,
     KVCache,
+    from_stored,
     kv_cache_bytes,
     kv_cache_shape,
     kv_scale_shape,
     quantize_rows,
+    storage_dtype,
+    to_stored,
+    value_dtype,
     write_cache,
     write_kv,
 )
@@ -24,11 +29,15 @@ __all__ = [
     "FP8",
     "KVCache",
     "attention",
+    "from_stored",
     "kv_cache_bytes",
     "kv_cache_shape",
     "kv_scale_shape",
     "paged_attention",
     "quantize_rows",
+    "storage_dtype",
+    "to_stored",
+    "value_dtype",
     "write_cache",
     "write_kv",
 ]

@@ -13,6 +13,8 @@
 5. A float8 cache with row scales (``k_scales``/``v_scales``, see ``layout.py``) has each key's
    scale gathered with its row, and the row dequantised before it is used; a NaN scale of a
    masked key is selected away like a NaN value.
+6. A cache in integer storage (bfloat16 or float8 bits on CPU, ``layout.storage_dtype``; only
+   interpret mode meets one) has each gathered block bitcast to its float dtype.
 
 A row that sees no key at all (a padding row) returns zeros.
 """
@@ -29,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_llm_runtime.pallas_kernels.paged_attention import reference, tuning
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import from_stored, value_dtype
 
 _MASKED = -1e30  # finite: exp(_MASKED - _MASKED) is 1, not NaN, while a row has seen no key yet
 _CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -83,8 +86,8 @@ def _attention_kernel(
         t = (first_block + j) * block_k + jnp.arange(block_k, dtype=jnp.int32)  # key positions
         page = page_indices_ref[lax.div(t, page_size)]
         offset = lax.rem(t, page_size)
-        k = k_ref[layer, page, offset, :].astype(jnp.float32)  # [block_k, head_dim]
-        v = v_ref[layer, page, offset, :].astype(jnp.float32)
+        k = from_stored(k_ref[layer, page, offset, :]).astype(jnp.float32)  # [block_k, head_dim]
+        v = from_stored(v_ref[layer, page, offset, :]).astype(jnp.float32)
         if row_scales:
             k = k * k_scales_ref[layer, page, offset][:, None]
             v = v * v_scales_ref[layer, page, offset][:, None]
@@ -166,7 +169,7 @@ def _validate(
             "k_cache and v_cache must both be [num_layers, num_pages, page_size, num_kv_heads, "
             f"head_dim], got shapes {k_cache.shape} and {v_cache.shape}"
         )
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _CACHE_DTYPES:
+    if k_cache.dtype != v_cache.dtype or value_dtype(k_cache.dtype) not in _CACHE_DTYPES:
         raise ValueError(
             f"k_cache and v_cache must share one of {[jnp.dtype(d).name for d in _CACHE_DTYPES]}, "
             f"got {k_cache.dtype} and {v_cache.dtype}"

@@ -12,6 +12,21 @@ element lands on e4m3's largest finite value. This needs no calibration data and
 outliers (K activations of some models exceed e4m3's +-448) nor flushes small rows to zero, which
 one fixed per-tensor scale (vLLM's default of 1.0) does. The scales add 4 bytes per row: about 6%
 of a head_dim 64 fp8 row, which stays under a third of float32's bytes.
+
+Storage. On the CPU backend a bfloat16 or float8 cache keeps its bits in an unsigned integer
+array of the same width (uint16, uint8; ``storage_dtype``). XLA:CPU has no native bfloat16 or
+float8 scatter: its float normalization upcasts the KV write to a wider float, which converts the
+whole donated cache, updates a few rows and converts it back, so a write costs time in proportion
+to the cache (a one-token ``write_cache`` into 64 MiB bfloat16 K and V arrays: about 4.5 ms,
+0.007 ms as uint16; ``tools/bench_kv_write.py``, BENCHMARKS.md). An integer scatter is done in
+place. Bitcasting the whole cache around the scatter does not help (XLA:CPU copies it), so the
+integer type is the storage itself and only small arrays are bitcast: the new rows before they
+are scattered (``to_stored``), the gathered rows after they are read (``from_stored``).
+Other backends keep the float dtype: XLA:GPU scatters bfloat16 and float8 in place (on an H200,
+0.05 ms at any cache size, no convert in the compiled scatter), and the Pallas kernels read the
+cache's float refs there. The mapping is fixed (uint16 holds bfloat16, uint8 holds
+float8_e4m3fn; no cache stores integers), so an array's dtype says how to read it, float or
+integer storage alike; ``KVCache.dtype`` is the float dtype either way.
 """
 
 from __future__ import annotations
@@ -21,10 +36,44 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the one quantized cache dtype: stored with row scales
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 SCALE_DTYPE = jnp.dtype(jnp.float32)
+# Float cache dtypes XLA:CPU scatters by upcasting the whole array, and the integer type that
+# holds their bits there instead (see the module docstring).
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), FP8: jnp.dtype(jnp.uint8)}
+_VALUES = {bits: value for value, bits in _BITS.items()}
+
+
+def storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
+    """The element type a cache of float ``dtype`` is stored as on ``backend`` (default: JAX's
+    default backend): the same-width unsigned integer for bfloat16 and float8 on CPU, else
+    ``dtype`` itself."""
+    dtype = jnp.dtype(dtype)
+    if (backend or jax.default_backend()) != "cpu":
+        return dtype
+    return _BITS.get(dtype, dtype)
+
+
+def value_dtype(stored: jnp.dtype) -> jnp.dtype:
+    """The float dtype whose values a cache array of element type ``stored`` holds."""
+    stored = jnp.dtype(stored)
+    return _VALUES.get(stored, stored)
+
+
+def to_stored(x: jax.Array, stored: jnp.dtype) -> jax.Array:
+    """``x`` rounded to the float dtype of a cache stored as ``stored``, in that element type."""
+    values = x.astype(value_dtype(stored))
+    return values if values.dtype == stored else lax.bitcast_convert_type(values, stored)
+
+
+def from_stored(x: jax.Array) -> jax.Array:
+    """Elements read from a cache array (gathered rows, not the whole cache) as their float
+    values: integer storage is bitcast back, a float array is returned as it is."""
+    dtype = value_dtype(x.dtype)
+    return x if dtype == x.dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def kv_cache_shape(
@@ -55,7 +104,7 @@ def kv_scale_shape(cache_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _is_scaled(dtype: jnp.dtype, shape: tuple[int, ...]) -> bool:
     """Whether an array of this dtype and shape carries row scales (a zero-width one has none)."""
-    return jnp.dtype(dtype) == FP8 and shape[-1] > 0
+    return value_dtype(dtype) == FP8 and shape[-1] > 0
 
 
 def kv_cache_bytes(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: jnp.dtype) -> int:
@@ -114,11 +163,12 @@ def write_kv(
     Token j of sequence s goes to page ``page_indices[s, positions[s, j] // page_size]`` at offset
     ``positions[s, j] % page_size``. Tokens with ``j >= q_lens[s]`` are dropped (their page index is
     pointed past the end of the cache and the scatter runs with ``mode="drop"``). Values are cast
-    to the cache dtype as they are; a float8 cache goes through ``write_cache``, which scales.
+    to the cache's float dtype as they are (``to_stored``: a cache in integer storage gets their
+    bits); a float8 cache goes through ``write_cache``, which scales.
     """
     page, offset = _slots(k_cache.shape[1], k_cache.shape[2], positions, q_lens, page_indices)
-    k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[layer, page, offset].set(to_stored(k, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, page, offset].set(to_stored(v, v_cache.dtype), mode="drop")
     return k_cache, v_cache
 
 
@@ -127,7 +177,11 @@ class KVCache:
     """The paged K and V arrays of all layers; donated to every step and returned updated.
 
     ``k_scales``/``v_scales`` exist only for a float8 cache (``v_scales`` not for a zero-width V,
-    MLA's); row ``r`` of K holds ``k[r].astype(float32) * k_scales[r]``.
+    MLA's); row ``r`` of K holds ``from_stored(k[r]).astype(float32) * k_scales[r]``.
+
+    ``dtype`` is the cache's float dtype. ``k`` and ``v`` may hold its bits in integer storage
+    (``storage_dtype``; what ``zeros`` makes on CPU): read them through ``from_stored`` and
+    write them through ``write_cache``, never as plain arrays.
     """
 
     k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
@@ -135,13 +189,19 @@ class KVCache:
     k_scales: jax.Array | None = None  # [num_layers, num_pages, page_size, num_kv_heads] float32
     v_scales: jax.Array | None = None  # [num_layers, num_pages, page_size, num_kv_heads] float32
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The float dtype of the cached K and V, whatever element type stores them."""
+        return value_dtype(self.k.dtype)
+
     @classmethod
     def zeros(
         cls, shape: tuple[int, ...], dtype: jnp.dtype, v_shape: tuple[int, ...] | None = None
     ) -> KVCache:
         """A zeroed cache; V has K's shape unless ``v_shape`` says otherwise (MLA's empty V).
 
-        ``dtype`` float8_e4m3fn adds zeroed row scales; other 1-byte dtypes are refused.
+        ``dtype`` float8_e4m3fn adds zeroed row scales; other 1-byte dtypes are refused. K and
+        V are stored as ``storage_dtype(dtype)`` (integers for bfloat16 and float8 on CPU).
         """
         dtype = jnp.dtype(dtype)
         v_shape = v_shape or shape
@@ -151,9 +211,10 @@ class KVCache:
         def scales(s: tuple[int, ...]) -> jax.Array | None:
             return jnp.zeros(kv_scale_shape(s), SCALE_DTYPE) if _is_scaled(dtype, s) else None
 
+        stored = storage_dtype(dtype)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(v_shape, dtype),
+            k=jnp.zeros(shape, stored),
+            v=jnp.zeros(v_shape, stored),
             k_scales=scales(shape),
             v_scales=scales(v_shape),
         )
@@ -181,7 +242,7 @@ def write_cache(
     def put(values: jax.Array, scales: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         xq, xs = quantize_rows(x)
         return (
-            values.at[layer, page, offset].set(xq, mode="drop"),
+            values.at[layer, page, offset].set(to_stored(xq, values.dtype), mode="drop"),
             scales.at[layer, page, offset].set(xs, mode="drop"),
         )
 

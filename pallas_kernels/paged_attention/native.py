@@ -9,6 +9,9 @@ XLA's CPU thread pool. The whole cache and the layer index go in as operands, so
 decoder's layer scan no per-layer slice is copied, and the donated cache is still updated in
 place by the KV write.
 
+A bfloat16 or float8 cache in integer storage (uint16, uint8 on CPU: ``layout.storage_dtype``)
+goes in as it is, and the kernel reads its elements as the float dtype whose bits they are.
+
 ``available()`` builds and registers the kernel once (False without a compiler or with
 ``RUNTIME_NATIVE_KERNELS=0``); ``supports(...)`` says whether a call's dtypes are ones it reads.
 Callers pick it through ``ops.attention(impl="native")``, which falls back to the reference.
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_llm_runtime.pallas_kernels import native
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import value_dtype
 from jax_llm_runtime.pallas_kernels.paged_attention.reference import _validate, _validate_scales
 
 CACHE_DTYPES = tuple(
@@ -56,10 +60,11 @@ def available() -> bool:
 
 
 def supports(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> bool:
-    """Whether the kernel reads this cache: K and V of one dtype in ``CACHE_DTYPES``, same shape."""
+    """Whether the kernel reads this cache: K and V of one dtype whose values are in
+    ``CACHE_DTYPES`` (directly or in integer storage), same shape."""
     return (
         k_cache.dtype == v_cache.dtype
-        and jnp.dtype(k_cache.dtype) in CACHE_DTYPES
+        and value_dtype(k_cache.dtype) in CACHE_DTYPES
         and k_cache.shape == v_cache.shape
         and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     )

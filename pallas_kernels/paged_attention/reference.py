@@ -3,12 +3,16 @@
 Each sequence gathers only its own pages (``page_indices``) and every key position at or past its
 ``kv_lens`` is masked, so stale or NaN-filled pages never leak into the result. A float8 cache is
 read with its row scales (see ``layout.py``): each gathered row is dequantised before masking.
+A cache in integer storage (``layout.storage_dtype``) is gathered as it is and only the gathered
+rows are bitcast to their float dtype.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import from_stored
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
 
@@ -62,9 +66,10 @@ def _gather_rows(
     layer: jax.Array,  # [] int32
     page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
 ) -> jax.Array:  # [num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim]
-    """A sequence's rows in order; with scales, dequantised to float32."""
+    """A sequence's rows in order, in the cache's float dtype; with scales, dequantised to
+    float32."""
     num_seqs = page_indices.shape[0]
-    rows = cache[layer, page_indices].reshape(num_seqs, -1, *cache.shape[3:])
+    rows = from_stored(cache[layer, page_indices].reshape(num_seqs, -1, *cache.shape[3:]))
     if scales is None:
         return rows
     row_scales = scales[layer, page_indices].reshape(num_seqs, -1, cache.shape[3])

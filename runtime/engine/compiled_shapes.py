@@ -1,29 +1,25 @@
 """Ahead-of-time compiled executables, one per padding bucket, compiled up front, in the
 background, or (as a last resort) on first use.
 
-Startup compiles only the buckets short requests need, before serving; the engine compiles the
-rest on one background thread once it serves, smallest first. A step whose bucket is not
-compiled yet compiles it on the spot, once (a per-bucket lock makes the background thread and
-the step share one compilation), and says so in the log.
-
-One compilation at a time per process (``_ONE_AT_A_TIME``). Compiling shapes on all cores at once
-was faster to start, but four full test runs died with SIGSEGV or SIGABRT inside jaxlib with two
-threads compiling or loading executables at once (``runtime/loading/xla_cache.py``). XLA still
-spreads one module's code generation over the cores.
+Startup compiles only the buckets short requests need, on all cores at once (XLA compiles
+outside the GIL); the engine compiles the rest on one background thread once it serves, smallest
+first. A step whose bucket is not compiled yet compiles it on the spot, once (a per-bucket lock
+makes the background thread and the step share one compilation), and says so in the log.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
-_ONE_AT_A_TIME = threading.Lock()  # every CompiledShapes of the process (see the module note)
 
 
 class CompiledShapes:
@@ -53,14 +49,17 @@ class CompiledShapes:
             )
         return executable
 
-    def compile_now(self, keys: Iterable[Hashable]) -> float:
-        """Compile ``keys`` before returning, one after another; shows a progress bar and
-        returns the seconds taken."""
+    def compile_now(self, keys: Iterable[Hashable], workers: int | None = None) -> float:
+        """Compile ``keys`` before returning, on ``workers`` threads (default: one per core);
+        shows a progress bar and returns the seconds taken."""
         keys = [k for k in keys if k not in self._compiled]
         t0 = time.perf_counter()
-        with tqdm(total=len(keys), desc=f"Compiling {self.name}", unit="shape") as bar:
-            for key in keys:
-                self._compile(key)
+        workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool,
+            tqdm(total=len(keys), desc=f"Compiling {self.name}", unit="shape") as bar,
+        ):
+            for _ in pool.map(self._compile, keys):
                 bar.update()
         return time.perf_counter() - t0
 
@@ -82,7 +81,6 @@ class CompiledShapes:
         with lock:
             executable = self._compiled.get(key)
             if executable is None:
-                with _ONE_AT_A_TIME:
-                    executable = self._lower(key).compile()
+                executable = self._lower(key).compile()
                 self._compiled[key] = executable
         return executable

@@ -23,7 +23,6 @@ from jax_llm_runtime.models.registry import ModelSpec
 from jax_llm_runtime.runtime.engine.buckets import pick
 from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
 from jax_llm_runtime.runtime.engine.request import MAX_TOP_LOGPROBS, TokenLogprobs
-from jax_llm_runtime.runtime.loading import xla_cache
 from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, replicated_sharding
 
 Pooling = Literal["mean", "last"]
@@ -96,10 +95,7 @@ class EmbeddingRunner:
         fn = self.compiled.get((kind, length))
         tokens = np.zeros((1, length), np.int32)
         tokens[0, : len(token_ids)] = token_ids
-        with xla_cache.exclusive():  # no cached executable loads while this runs
-            return jax.block_until_ready(
-                fn(self.weights, tokens, np.array([len(token_ids)], np.int32))
-            )
+        return jax.block_until_ready(fn(self.weights, tokens, np.array([len(token_ids)], np.int32)))
 
 
 def embedding_lengths(max_model_len: int) -> tuple[int, ...]:

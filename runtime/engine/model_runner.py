@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.registry import ModelSpec
-from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
+from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, to_stored
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
 from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
 from jax_llm_runtime.runtime.engine.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
@@ -32,7 +32,6 @@ from jax_llm_runtime.runtime.engine.sampler import (
     sample,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, ScheduledSeq, StepKind
-from jax_llm_runtime.runtime.loading import xla_cache
 from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, replicated_sharding
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
@@ -135,15 +134,11 @@ class ModelRunner:
         step_batch, meta = self._prepare(batch)
         shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
         steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
-        # Compiled (or loaded) before taking the cache lock: the background compile may hold the
-        # compile lock while it waits for this one.
-        self.compiled.get((*shape, steps))
-        with xla_cache.exclusive():  # no cached executable loads while the step runs
-            if steps > 1:
-                tokens, _ = self.execute(step_batch, meta, steps)
-                return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
-            _, out = self.execute(step_batch, meta, 1)
-            token_ids = np.asarray(out.token_ids)
+        if steps > 1:
+            tokens, _ = self.execute(step_batch, meta, steps)
+            return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
+        _, out = self.execute(step_batch, meta, 1)
+        token_ids = np.asarray(out.token_ids)
         result = StepResult([[t] for t in token_ids[: len(batch.items)].tolist()])
         if np.any(meta.wants_logprobs):
             result.logprobs = _host_logprobs(batch.items, out)
@@ -230,7 +225,9 @@ class ModelRunner:
 
 
 def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
-    return jax.tree.map(lambda a: a.at[:, pages].set(jnp.nan), cache)
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    # to_stored: a cache in integer storage gets NaN's bits, not NaN cast to an integer (0).
+    return jax.tree.map(lambda a: a.at[:, pages].set(to_stored(nan, a.dtype)), cache)
 
 
 def _constrained(

@@ -53,8 +53,9 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
-    """The cache storage dtype of ``--kv-cache-dtype``: the model dtype ("auto"), a float dtype
-    named, or e4m3 with scales ("fp8*"). (A float32 model's "auto" stays float32 on CPU: a
+    """The KV cache's float dtype for ``--kv-cache-dtype`` (``KVCache.dtype``; on CPU a bfloat16
+    or float8 one is stored as integers, ``storage_dtype``): the model dtype ("auto"), a float
+    dtype named, or e4m3 with scales ("fp8*"). (A float32 model's "auto" stays float32 on CPU: a
     16-bit cache leaves perplexity unchanged, but its rounding turns the float path's ~1e-7
     batch-to-batch differences into ~5e-4 in logprobs; BENCHMARKS.md.)"""
     if name == "auto":

@@ -9,26 +9,14 @@ see a whole entry or none, and a put always replaces: JAX only puts after a comp
 happens only when the entry was missing or unreadable, so an unreadable one heals on the next
 start that needs it.
 
-Loading a cached executable runs alone in the process: one thread at a time, and never while a
-step runs (``exclusive()``, which the engine holds around each step from dispatch to result).
-Two full-suite runs died inside jaxlib's ``deserialize_executable``: SIGSEGV with two compile
-threads loading at once, and SIGABRT in a non-Python (XLA) thread while a step executed beside
-one load. Neither reproduced alone (600 rounds of 8 threads loading; 530 loads while an engine
-served), so the race is rare, but it kills the server. A load takes milliseconds, so a step
-waits at most that long and only while background compiles find entries; a compile (a cache
-miss) never blocks a step. Later suite runs died the same way with loads and compiles already
-serialized (``runtime/engine/compiled_shapes.py``) and no step running: a lone load can crash,
-so these rules narrow the crash, they do not explain it. ``RUNTIME_XLA_CACHE=0``
-turns the cache off (every start compiles, nothing is loaded).
+``RUNTIME_XLA_CACHE=0`` turns the cache off (every start compiles, nothing is loaded).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +38,6 @@ def enable_compilation_cache(cache_dir: Path) -> None:
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(cache_dir)
     _atomic_puts()
-    _serial_reads()
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -81,34 +68,6 @@ def write_atomically(path: Path, value: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-# Reentrant: a step that compiles its bucket on first use loads it while holding the lock.
-_exclusive = threading.RLock()
-
-
-def exclusive() -> threading.RLock:
-    """Held while a cached executable loads; the engine holds it while a step runs."""
-    return _exclusive
-
-
-def _serial_reads() -> None:
-    """Load executables from the cache one at a time, never beside a step (the module's note)."""
-    try:
-        from jax._src import compilation_cache
-    except ImportError:  # pragma: no cover - depends on the JAX version
-        return
-    read = getattr(compilation_cache, "get_executable_and_time", None)
-    if read is None or getattr(read, "serialized", False):
-        return
-
-    @functools.wraps(read)
-    def serialized_read(*args: Any, **kwargs: Any) -> Any:
-        with _exclusive:
-            return read(*args, **kwargs)
-
-    serialized_read.serialized = True  # type: ignore[attr-defined]
-    compilation_cache.get_executable_and_time = serialized_read
 
 
 def _atomic_puts() -> None:

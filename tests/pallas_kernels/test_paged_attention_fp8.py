@@ -26,6 +26,7 @@ from jax_llm_runtime.pallas_kernels.paged_attention import (
     kv_scale_shape,
     quantize_rows,
     reference,
+    storage_dtype,
     write_cache,
 )
 from tests.pallas_kernels.test_paged_attention_kernel import (
@@ -65,7 +66,8 @@ def test_cache_shapes_bytes_and_zeros():
     shape = kv_cache_shape(2, 5, 4, 3, 64)
     assert kv_scale_shape(shape) == (2, 5, 4, 3)
     cache = KVCache.zeros(shape, FP8)
-    assert cache.k.dtype == FP8 and cache.k_scales.shape == cache.v_scales.shape == (2, 5, 4, 3)
+    assert cache.dtype == FP8 and cache.k_scales.shape == cache.v_scales.shape == (2, 5, 4, 3)
+    assert cache.k.dtype == storage_dtype(FP8)  # uint8 on CPU (see test_kv_cache_storage.py)
     rows = 2 * 5 * 4 * 3
     assert kv_cache_bytes(shape, shape, FP8) == 2 * rows * (64 + 4)
     assert kv_cache_bytes(shape, shape, jnp.float32) == 2 * rows * 64 * 4

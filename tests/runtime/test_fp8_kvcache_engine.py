@@ -1,16 +1,25 @@
 """``kv_cache_dtype="fp8"`` through the whole engine on a tiny random Llama: the builder sizes
 and allocates an e4m3 cache with row scales, and greedy decoding through it follows the float
-cache's tokens with log-probabilities close to its own."""
+cache's tokens with log-probabilities close to its own. On CPU a bfloat16 or float8 cache is
+stored as integers of the same width (``storage_dtype``); ``KVCache.dtype`` stays the float one."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    FP8,
+    KVCache,
+    from_stored,
+    storage_dtype,
+)
 from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.engine.model_runner import _fill_pages
 from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
@@ -73,12 +82,10 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_fp8_engine_decodes_close_to_float(tiny_llama: Path) -> None:
-    import jax.numpy as jnp
-
     float_cache, ref = _run(tiny_llama, "auto")
     fp8_cache, got = _run(tiny_llama, "fp8")
     assert float_cache.k.dtype == jnp.float32 and float_cache.k_scales is None
-    assert fp8_cache.k.dtype == jnp.float8_e4m3fn
+    assert fp8_cache.dtype == FP8 and fp8_cache.k.dtype == storage_dtype(FP8)
     assert fp8_cache.k_scales.shape == fp8_cache.v_scales.shape == fp8_cache.k.shape[:4]
     # The same 1 MB holds 64 / (16 + 4) = 3.2x the pages: the scales are counted.
     pages_float, pages_fp8 = float_cache.k.shape[1], fp8_cache.k.shape[1]
@@ -98,16 +105,27 @@ def test_fp8_engine_decodes_close_to_float(tiny_llama: Path) -> None:
 def test_a_16_bit_cache_decodes_the_float_tokens(tiny_llama: Path, name: str, atol: float) -> None:
     """``--kv-cache-dtype float16|bfloat16`` on a float32 model: the cache has that dtype and
     twice float32's pages in the same memory, and greedy decoding follows the float32 cache."""
-    import jax.numpy as jnp
-
     float_cache, ref = _run(tiny_llama, "float32")
     cache, got = _run(tiny_llama, name)
     assert float_cache.k.dtype == jnp.float32
-    assert cache.k.dtype == jnp.dtype(name) and cache.k_scales is None
+    assert cache.dtype == jnp.dtype(name) and cache.k_scales is None
+    assert cache.k.dtype == storage_dtype(jnp.dtype(name))
     assert cache.k.shape[1] == 2 * float_cache.k.shape[1]
     for (ref_tokens, ref_lp), (tokens, lp) in zip(ref, got, strict=True):
         assert tokens == ref_tokens
         np.testing.assert_allclose(lp, ref_lp, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bfloat16", "float8"])
+def test_debug_fill_puts_nan_in_a_cache_of_any_storage(dtype) -> None:
+    """``--debug-fill-freed-pages`` writes NaN's bits into integer storage, not NaN cast to an
+    integer (0), so a read of a stale row still shows."""
+    cache = KVCache.zeros((2, 5, 4, 2, 8), dtype)
+    pages = np.array([1, 3], np.int32)
+    filled = _fill_pages(cache, pages)
+    for leaf in (filled.k, filled.v) + ((filled.k_scales,) if dtype == FP8 else ()):
+        assert np.isnan(np.asarray(from_stored(leaf[:, pages]), np.float32)).all()
+        assert not np.asarray(from_stored(leaf[:, [0, 2, 4]]), np.float32).any()
 
 
 def test_bad_kv_cache_dtype_is_one_line_error() -> None:

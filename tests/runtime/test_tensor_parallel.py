@@ -69,6 +69,21 @@ def test_dense_llama_over_2_and_4_devices(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_a_cache_in_integer_storage_splits_over_2_devices(tmp_path: Path, kv_cache_dtype) -> None:
+    """On CPU a bfloat16 or float8 cache is stored as integers (``storage_dtype``); sharded by
+    KV heads it still decodes the one-device tokens."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **{**BASE, "num_attention_heads": 8, "num_key_value_heads": 4}
+    )
+    save_random_model(config, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    check_split(run_sharded(tmp_path, "1,2", {"kv_cache_dtype": kv_cache_dtype}))
+
+
+@pytest.mark.slow
 def test_moe_model_with_replicated_or_split_experts(tmp_path: Path) -> None:
     import transformers
 
