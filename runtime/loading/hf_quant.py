@@ -17,9 +17,9 @@ write it, or vLLM's ``quant_method`` "marlin"; each linear stores ``B`` and ``s`
 
 candle-vllm's ``convert_awq_marlin.py`` keeps an AWQ folder's config and rewrites only its
 ``qzeros``, in Marlin's column order, so nothing but the zero points tells the two apart: an AWQ
-linear whose zeros differ between the two readings takes the one under which each group's zero
-sits nearer the mean of its codes (trained weights centre on zero, so the codes centre on the
-zero), and a reading that does not win clearly is an error rather than a guess.
+linear whose zeros differ between the two readings takes the one under which the groups' zeros
+sit nearer the mean of their codes (weights centre on zero, so the codes centre on the zero
+point), and a reading that does not win clearly is an error rather than a guess.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ PARTS = {
 }
 REQUIRED = {"gptq": ("qweight", "qzeros", "scales"), "marlin": ("B", "s")}
 REQUIRED["awq"] = REQUIRED["gptq"]
-# An AWQ linear reads its zeros in Marlin's order only when that fits its codes this much better.
-MARLIN_ZEROS_MARGIN = 0.5
+# How clearly one reading of an AWQ linear's zeros must win (standard deviations of a sign test;
+# a real layer scores in the tens or hundreds, a tiny test layer about 5).
+MARLIN_ZEROS_SCORE = 4.0
 
 
 @dataclass(frozen=True)
@@ -181,18 +182,23 @@ def _awq(tensors: Mapping[str, np.ndarray], bits: int, group_size: int) -> HostP
     )
     if np.array_equal(plain.z, marlin.z):
         return plain
+    # A sign test over the (group, column) cells whose zero differs between the readings: in
+    # how many is this reading's zero the nearer to the mean of the cell's codes?
     group = plain.codes.shape[0] // plain.z.shape[0]
     centres = plain.codes.reshape(-1, group, plain.codes.shape[1]).mean(axis=1)
-    off_plain = float(np.abs(centres - plain.z).mean())
-    off_marlin = float(np.abs(centres - marlin.z).mean())
-    if off_marlin < MARLIN_ZEROS_MARGIN * off_plain:
-        return marlin
-    if off_plain < MARLIN_ZEROS_MARGIN * off_marlin:
+    off_plain, off_marlin = np.abs(centres - plain.z), np.abs(centres - marlin.z)
+    differ = off_plain != off_marlin
+    cells = int(differ.sum())
+    plain_nearer = int((off_plain < off_marlin)[differ].sum())
+    score = (2 * plain_nearer - cells) / max(np.sqrt(cells), 1.0)  # ~N(0, 1) without a signal
+    if score >= MARLIN_ZEROS_SCORE:
         return plain
+    if score <= -MARLIN_ZEROS_SCORE:
+        return marlin
     raise ValueError(
         "cannot tell whether qzeros are in AutoAWQ's order or in Marlin's (candle-vllm's "
-        f"convert_awq_marlin.py): the mean code is {off_plain:.2f} from the zeros read one way "
-        f"and {off_marlin:.2f} read the other; load the AWQ folder from before that conversion"
+        f"convert_awq_marlin.py): AutoAWQ's order fits {plain_nearer} of the {cells} groups whose "
+        "zero differs between the two; load the AWQ folder from before that conversion"
     )
 
 
