@@ -205,8 +205,9 @@ def _awq(tensors: Mapping[str, np.ndarray], bits: int, group_size: int) -> HostP
 def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[str, tuple[str, ...]]:
     """``prefix -> parts present`` for every quantized linear among ``keys``.
 
-    ValueError for a linear that lacks a required part, a part without its ``qweight``, and
-    quantized tensors in a checkpoint whose config declares no quantization.
+    ValueError for a linear that lacks a required part, a part without its ``qweight`` (Marlin:
+    ``B``), Marlin tensors under a GPTQ/AWQ config that does not say so, and quantized tensors in
+    a checkpoint whose config declares no quantization.
     """
     keys = set(keys)
     if quant is None:
@@ -217,6 +218,13 @@ def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[st
             )
         return {}
     head = quant.required[0]
+    if quant.method != "marlin":
+        marlin = sorted(k for k in keys if k.endswith(".B") and f"{k[:-2]}.s" in keys)
+        if marlin:
+            raise ValueError(
+                f"{marlin[0]} is a Marlin-layout tensor, but quantization_config says "
+                f"{quant.method} without checkpoint_format 'marlin'"
+            )
     linears: dict[str, tuple[str, ...]] = {}
     for key in sorted(keys):
         prefix, _, part = key.rpartition(".")

@@ -238,6 +238,13 @@ def test_incomplete_marlin_linear(tmp_path):
     save_file({"l.s": s}, str(folder / "model.safetensors"))
     with pytest.raises(HFCheckpointError, match=r"l\.s but no l\.B"):
         load_hf_checkpoint(folder)
+    # Marlin tensors under a config that does not say Marlin (AutoGPTQ's quantize_config.json,
+    # which is not read, may be where it says so)
+    config["quantization_config"] = gptq_config(128, True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"l.B": b, "l.s": s}, str(folder / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match=r"l\.B is a Marlin-layout tensor.*gptq without"):
+        load_hf_checkpoint(folder)
 
 
 # --- end to end against HF transformers ------------------------------------------------------
