@@ -25,7 +25,7 @@ point), and a reading that does not win clearly is an error rather than a guess.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -176,16 +176,14 @@ def _awq(tensors: Mapping[str, np.ndarray], bits: int, group_size: int) -> HostP
     )
     if plain.z.shape[1] % 64:  # Marlin needs out in runs of 64: these zeros are AutoAWQ's
         return plain
-    zeros = awq_zeros_from_marlin(tensors["qzeros"])
-    marlin = from_awq(
-        tensors["qweight"], zeros, tensors["scales"], bits=bits, group_size=group_size
-    )
+    marlin = replace(plain, z=awq_zeros_from_marlin(tensors["qzeros"]))
     if np.array_equal(plain.z, marlin.z):
         return plain
     # A sign test over the (group, column) cells whose zero differs between the readings: in
     # how many is this reading's zero the nearer to the mean of the cell's codes?
-    group = plain.codes.shape[0] // plain.z.shape[0]
-    centres = plain.codes.reshape(-1, group, plain.codes.shape[1]).mean(axis=1)
+    groups, n = plain.z.shape
+    sums = plain.codes.reshape(groups, -1, n).sum(axis=1, dtype=np.uint32)
+    centres = sums / (plain.codes.shape[0] // groups)
     off_plain, off_marlin = np.abs(centres - plain.z), np.abs(centres - marlin.z)
     differ = off_plain != off_marlin
     cells = int(differ.sum())
