@@ -137,6 +137,11 @@ def quant_config_from_hf(config: Mapping[str, Any]) -> QuantConfig | None:
             checkpoint_format=fmt,
         )
     if method == "awq":
+        if str(qc.get("checkpoint_format", "")).lower() == "marlin":
+            raise ValueError(
+                "AWQ with checkpoint_format 'marlin' is not supported (Marlin-layout AWQ "
+                "weights; candle-vllm's convert_awq_marlin.py output, which keeps AWQ's config, is)"
+            )
         version = str(qc.get("version") or qc.get("format") or "gemm").lower()
         if version != "gemm":
             raise ValueError(f"AWQ version {version!r} is not supported (only GEMM packing is)")

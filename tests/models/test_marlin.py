@@ -207,6 +207,7 @@ def test_awq_zeros_read_as_the_codes_say(group_size, column_means):
         (gptq_config(128, False, "marlin"), "Marlin with sym=False is not supported"),
         (gptq_config(128, True, "marlin") | {"desc_act": True}, "desc_act=True is not supported"),
         ({"quant_method": "marlin", "group_size": 128, "bits": 3}, "bits=3"),
+        (awq_config(128) | {"checkpoint_format": "marlin"}, "AWQ with checkpoint_format 'marlin'"),
     ],
 )
 def test_unsupported_marlin_configs_are_one_line_errors(tmp_path, quant, message):
