@@ -163,6 +163,17 @@ def test_awq_marlin_folder_loads_as_its_awq(tmp_path):
     _same_load(awq.folder, converted.folder)
 
 
+def test_convert_awq_reads_awq_marlin_folders(tmp_path):
+    """``tools/convert_awq.py`` on ``convert_awq_marlin.py``'s output: the GPTQ folder it writes
+    loads as the AWQ original does."""
+    from tests.models.test_gptq_awq import convert_awq
+
+    awq = write_quantized_llama(tmp_path / "awq", awq_config(128), **LLAMA)
+    converted = to_awq_marlin(awq, tmp_path / "awq-marlin")
+    assert convert_awq.main([str(converted.folder), str(tmp_path / "gptq")]) == 0
+    _same_load(awq.folder, tmp_path / "gptq")
+
+
 def test_awq_zeros_that_cannot_be_told_apart(tmp_path):
     """Random codes sit nowhere near their zeros: neither reading wins, and the load says so."""
     from safetensors.numpy import save_file
