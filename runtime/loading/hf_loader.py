@@ -1,7 +1,7 @@
 """HF-layout folders: ``config.json`` plus one or many ``*.safetensors`` files.
 
-GPTQ and AWQ checkpoints (``quantization_config`` in ``config.json``, see ``runtime.loading.hf_quant``)
-load as they are: each quantized linear's tensors, wherever its shards put them, come out as one
+GPTQ and AWQ checkpoints, Marlin-layout ones included (``quantization_config`` in ``config.json``,
+see ``runtime.loading.hf_quant``), load as they are: each quantized linear's tensors, wherever its shards put them, come out as one
 ``(<prefix>.weight, HostPacked)`` item in the ``[in, out]`` orientation; every other tensor
 streams as a numpy array.
 """
@@ -69,8 +69,8 @@ def load_hf_checkpoint(folder: Path) -> Checkpoint:
                 for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     if key not in parts:
                         yield key, np.asarray(f.get_tensor(key))
-                    elif key.endswith(".qweight"):
-                        prefix = key.removesuffix(".qweight")
+                    elif key.endswith(f".{quant.required[0]}"):
+                        prefix = key.removesuffix(f".{quant.required[0]}")
                         value = _packed(prefix, linears[prefix], where, quant)
                         if not packed:
                             value = np.swapaxes(dequantize_host(value), -1, -2)

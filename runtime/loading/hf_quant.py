@@ -8,12 +8,24 @@ A quantized linear ``<prefix>`` stores ``<prefix>.qweight``, ``.qzeros``, ``.sca
 input features (or -1); GPTQ in checkpoint formats "gptq" (v1) and "gptq_v2", symmetric or not,
 with ``g_idx`` in input order (``desc_act=False``, or act-order with static groups); AWQ with
 GEMM packing and zero points. ``desc_act`` itself is not checked: ``g_idx`` is what tells.
+
+Marlin-layout folders (``pallas_kernels.dequant_matmul.marlin``) load to the same ``HostPacked``
+as their GPTQ originals: ``quant_method`` "gptq" with ``checkpoint_format`` "marlin" (or AutoGPTQ's
+older ``is_marlin_format``), as candle-vllm, AutoGPTQ and the hub's ``*-GPTQ-Marlin`` folders
+write it, or vLLM's ``quant_method`` "marlin"; each linear stores ``B`` and ``s`` (and sometimes a
+``workspace``, which is scratch memory and ignored). Marlin holds symmetric 4-bit weights only.
+
+candle-vllm's ``convert_awq_marlin.py`` keeps an AWQ folder's config and rewrites only its
+``qzeros``, in Marlin's column order, so nothing but the zero points tells the two apart: an AWQ
+linear whose zeros differ between the two readings takes the one under which the groups' zeros
+sit nearer the mean of their codes (weights centre on zero, so the codes centre on the zero
+point), and a reading that does not win clearly is an error rather than a guess.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,17 +38,26 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import (
     from_awq,
     from_gptq,
 )
+from jax_llm_runtime.pallas_kernels.dequant_matmul.marlin import awq_zeros_from_marlin, from_marlin
 
-METHODS = ("gptq", "awq")
-PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
-REQUIRED = ("qweight", "qzeros", "scales")
+METHODS = ("gptq", "awq", "marlin")
+PARTS = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "marlin": ("B", "s", "workspace"),
+}
+REQUIRED = {"gptq": ("qweight", "qzeros", "scales"), "marlin": ("B", "s")}
+REQUIRED["awq"] = REQUIRED["gptq"]
+# How clearly one reading of an AWQ linear's zeros must win (standard deviations of a sign test;
+# a real layer scores in the tens or hundreds, a tiny test layer about 5).
+MARLIN_ZEROS_SCORE = 4.0
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """What the loader needs of a checkpoint's ``quantization_config``."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "marlin" (GPTQ in Marlin's layout)
     bits: int
     group_size: int  # -1: one group over all input features
     sym: bool = True  # GPTQ: every zero is 2 ** (bits - 1)
@@ -48,6 +69,8 @@ class QuantConfig:
                 f"quant_method {self.method!r} is not supported ({', '.join(METHODS)} are)"
             )
         widths = GPTQ_BITS if self.method == "gptq" else (BITS,)
+        if self.method == "marlin" and not self.sym:
+            raise ValueError("Marlin with sym=False is not supported (Marlin is symmetric)")
         if self.bits not in widths:
             raise ValueError(
                 f"{self.method} with bits={self.bits} is not supported "
@@ -66,16 +89,17 @@ class QuantConfig:
         """Tensor-name suffixes of one quantized linear."""
         return PARTS[self.method]
 
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The parts every quantized linear has; the first names the linear."""
+        return REQUIRED[self.method]
+
     def host_packed(self, tensors: Mapping[str, np.ndarray]) -> HostPacked:
         """One linear's tensors (keyed by part) as ``HostPacked`` ``[in, out]``."""
+        if self.method == "marlin":
+            return from_marlin(tensors["B"], tensors["s"], group_size=self.group_size)
         if self.method == "awq":
-            return from_awq(
-                tensors["qweight"],
-                tensors["qzeros"],
-                tensors["scales"],
-                bits=self.bits,
-                group_size=self.group_size,
-            )
+            return _awq(tensors, self.bits, self.group_size)
         return from_gptq(
             tensors["qweight"],
             tensors["qzeros"],
@@ -102,15 +126,22 @@ def quant_config_from_hf(config: Mapping[str, Any]) -> QuantConfig | None:
         if pack_dtype != "int32":
             raise ValueError(f"GPTQ pack_dtype {pack_dtype!r} is not supported (only int32 is)")
         # transformers writes both names; the legacy one wins, as there.
-        fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+        fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+        if fmt == "marlin" or qc.get("is_marlin_format"):
+            return _marlin_config(qc)
         return QuantConfig(
             method="gptq",
             bits=int(qc.get("bits", 0)),
             group_size=int(qc.get("group_size", 128)),
             sym=bool(qc.get("sym", True)),
-            checkpoint_format=str(fmt).lower(),
+            checkpoint_format=fmt,
         )
     if method == "awq":
+        if str(qc.get("checkpoint_format", "")).lower() == "marlin":
+            raise ValueError(
+                "AWQ with checkpoint_format 'marlin' is not supported (Marlin-layout AWQ "
+                "weights; candle-vllm's convert_awq_marlin.py output, which keeps AWQ's config, is)"
+            )
         version = str(qc.get("version") or qc.get("format") or "gemm").lower()
         if version != "gemm":
             raise ValueError(f"AWQ version {version!r} is not supported (only GEMM packing is)")
@@ -121,14 +152,65 @@ def quant_config_from_hf(config: Mapping[str, Any]) -> QuantConfig | None:
             bits=int(qc.get("bits", qc.get("w_bit", 0))),
             group_size=int(qc.get("group_size", qc.get("q_group_size", 128))),
         )
+    if method == "marlin":
+        return _marlin_config(qc)
     raise ValueError(f"quant_method {method!r} is not supported ({', '.join(METHODS)} are)")
+
+
+def _marlin_config(qc: Mapping[str, Any]) -> QuantConfig:
+    bits = int(qc.get("bits", BITS))
+    if bits != BITS:
+        raise ValueError(f"Marlin with bits={bits} is not supported (Marlin holds 4-bit weights)")
+    if qc.get("desc_act"):
+        raise ValueError(
+            "Marlin with desc_act=True is not supported; use a checkpoint quantized with "
+            "desc_act=False"
+        )
+    return QuantConfig(
+        method="marlin",
+        bits=bits,
+        group_size=int(qc.get("group_size", 128)),
+        sym=bool(qc.get("sym", True)),
+    )
+
+
+def _awq(tensors: Mapping[str, np.ndarray], bits: int, group_size: int) -> HostPacked:
+    """An AWQ linear, its ``qzeros`` read in AutoAWQ's order or in Marlin's (see the module)."""
+    plain = from_awq(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], bits=bits, group_size=group_size
+    )
+    if plain.z.shape[1] % 64:  # Marlin needs out in runs of 64: these zeros are AutoAWQ's
+        return plain
+    marlin = replace(plain, z=awq_zeros_from_marlin(tensors["qzeros"]))
+    if np.array_equal(plain.z, marlin.z):
+        return plain
+    # A sign test over the (group, column) cells whose zero differs between the readings: in
+    # how many is this reading's zero the nearer to the mean of the cell's codes?
+    groups, n = plain.z.shape
+    sums = plain.codes.reshape(groups, -1, n).sum(axis=1, dtype=np.uint32)
+    centres = sums / (plain.codes.shape[0] // groups)
+    off_plain, off_marlin = np.abs(centres - plain.z), np.abs(centres - marlin.z)
+    differ = off_plain != off_marlin
+    cells = int(differ.sum())
+    plain_nearer = int((off_plain < off_marlin)[differ].sum())
+    score = (2 * plain_nearer - cells) / max(np.sqrt(cells), 1.0)  # ~N(0, 1) without a signal
+    if score >= MARLIN_ZEROS_SCORE:
+        return plain
+    if score <= -MARLIN_ZEROS_SCORE:
+        return marlin
+    raise ValueError(
+        "cannot tell whether qzeros are in AutoAWQ's order or in Marlin's (candle-vllm's "
+        f"convert_awq_marlin.py): AutoAWQ's order fits {plain_nearer} of the {cells} groups whose "
+        "zero differs between the two; load the AWQ folder from before that conversion"
+    )
 
 
 def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[str, tuple[str, ...]]:
     """``prefix -> parts present`` for every quantized linear among ``keys``.
 
-    ValueError for a linear that lacks a required part, a part without its ``qweight``, and
-    quantized tensors in a checkpoint whose config declares no quantization.
+    ValueError for a linear that lacks a required part, a part without its ``qweight`` (Marlin:
+    ``B``), Marlin tensors under a GPTQ/AWQ config that does not say so, and quantized tensors in
+    a checkpoint whose config declares no quantization.
     """
     keys = set(keys)
     if quant is None:
@@ -138,16 +220,24 @@ def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[st
                 f"{stray[0]} is a GPTQ/AWQ tensor, but config.json has no quantization_config"
             )
         return {}
+    head = quant.required[0]
+    if quant.method != "marlin":
+        marlin = sorted(k for k in keys if k.endswith(".B") and f"{k[:-2]}.s" in keys)
+        if marlin:
+            raise ValueError(
+                f"{marlin[0]} is a Marlin-layout tensor, but quantization_config says "
+                f"{quant.method} without checkpoint_format 'marlin'"
+            )
     linears: dict[str, tuple[str, ...]] = {}
     for key in sorted(keys):
         prefix, _, part = key.rpartition(".")
         if part not in quant.parts:
             continue
-        if f"{prefix}.qweight" not in keys:
-            raise ValueError(f"checkpoint has {key} but no {prefix}.qweight")
+        if f"{prefix}.{head}" not in keys:
+            raise ValueError(f"checkpoint has {key} but no {prefix}.{head}")
         linears[prefix] = (*linears.get(prefix, ()), part)
     for prefix, parts in linears.items():
-        missing = [p for p in REQUIRED if p not in parts]
+        missing = [p for p in quant.required if p not in parts]
         if missing:
-            raise ValueError(f"checkpoint has {prefix}.qweight but no {prefix}.{missing[0]}")
+            raise ValueError(f"checkpoint has {prefix}.{head} but no {prefix}.{missing[0]}")
     return linears

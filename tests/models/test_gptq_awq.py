@@ -238,7 +238,7 @@ def _tiny_folder(folder: Path, quant: dict | None, tensors: dict[str, np.ndarray
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
         (gptq_config(32, False) | {"bits": 3}, "gptq with bits=3 is not supported"),
         (awq_config(32) | {"bits": 8}, "awq with bits=8 is not supported"),
-        (gptq_config(32, False, "marlin"), "checkpoint_format 'marlin' is not supported"),
+        (gptq_config(32, False, "bitblas"), "checkpoint_format 'bitblas' is not supported"),
         (gptq_config(32, False) | {"pack_dtype": "int16"}, "pack_dtype 'int16'"),
         (awq_config(32) | {"version": "gemv"}, "AWQ version 'gemv' is not supported"),
         (awq_config(32) | {"zero_point": False}, "zero_point=False"),
