@@ -4,12 +4,20 @@ and the release of each test module's compiled code."""
 from __future__ import annotations
 
 import gc
+import signal
 from pathlib import Path
 
 import jax
 import pytest
 
 from jax_llm_runtime.runtime.loading.sources import resolve_model_source
+
+
+# A shell starts background jobs (`just test &`, nohup) with SIGINT ignored, and children inherit
+# that: the servers and clients these tests stop with Ctrl-C would not stop. The test process
+# takes Python's own handler back, so the processes it starts get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _memory_maps() -> tuple[int, int] | None:
