@@ -10,25 +10,14 @@ from pathlib import Path
 import jax
 import pytest
 
+from jax_llm_runtime.runtime.engine.compiled_shapes import memory_maps
 from jax_llm_runtime.runtime.loading.sources import resolve_model_source
-
 
 # A shell starts background jobs (`just test &`, nohup) with SIGINT ignored, and children inherit
 # that: the servers and clients these tests stop with Ctrl-C would not stop. The test process
 # takes Python's own handler back, so the processes it starts get the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _memory_maps() -> tuple[int, int] | None:
-    """(memory maps this process holds, the kernel's limit ``vm.max_map_count``); None off Linux."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            held = sum(1 for _ in maps)
-        with open("/proc/sys/vm/max_map_count") as limit:
-            return held, int(limit.read())
-    except OSError:
-        return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +35,7 @@ def _release_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
-    maps = _memory_maps()
+    maps = memory_maps()
     if maps is not None and maps[0] > 0.6 * maps[1]:
         held, limit = maps
         pytest.fail(

@@ -21,6 +21,58 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
+# XLA:CPU maps each kernel of a compiled executable into memory maps of its own (code, constants,
+# data: ~250 maps for one decode step of a small model, 29,000 for the default model's 111
+# shapes), freed only with the executable. Linux kills no process at its limit on maps
+# (vm.max_map_count, 65,530 by default): the next mmap fails, and jaxlib dies with SIGSEGV in
+# its error path. So a compile is refused above REFUSE_MAPS of the limit (the step that needed
+# it fails alone; the server goes on), and the log warns once above WARN_MAPS.
+WARN_MAPS = 0.5
+REFUSE_MAPS = 0.9
+_warned = threading.Event()
+
+
+class MapLimitError(RuntimeError):
+    """A compile refused because the process is close to the kernel's limit on memory maps."""
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's ``vm.max_map_count``); None off Linux."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            held = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return held, int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+def check_map_headroom(what: str) -> None:
+    """Raise ``MapLimitError`` when compiling ``what`` could reach the limit on memory maps."""
+    maps = memory_maps()
+    if maps is None:
+        return
+    held, limit = maps
+    advice = (
+        "raise the limit (sysctl -w vm.max_map_count=262144) or serve fewer shapes "
+        "(lower --max-num-seqs or --max-model-len, or fewer models per process)"
+    )
+    if held > REFUSE_MAPS * limit:
+        raise MapLimitError(
+            f"not compiling {what}: the process holds {held} memory maps of the kernel's limit "
+            f"of {limit} (vm.max_map_count), and XLA crashes at the limit; {advice}"
+        )
+    if held > WARN_MAPS * limit and not _warned.is_set():
+        _warned.set()
+        logger.warning(
+            "the process holds %d memory maps of the kernel's limit of %d (vm.max_map_count); "
+            "compiled code keeps a few per kernel, and compiles stop at %d%% of the limit: %s",
+            held,
+            limit,
+            round(100 * REFUSE_MAPS),
+            advice,
+        )
+
 
 class CompiledShapes:
     """``lower(key)`` returns a ``jax.stages.Lowered`` for one bucket; this keeps its executables."""
@@ -71,7 +123,11 @@ class CompiledShapes:
             if stop.is_set():
                 break
             if key not in self._compiled:
-                self._compile(key)
+                try:
+                    self._compile(key)
+                except MapLimitError as e:
+                    logger.error("%s: %s; later shapes compile on first use", self.name, e)
+                    break
                 count += 1
         return count
 
@@ -81,6 +137,7 @@ class CompiledShapes:
         with lock:
             executable = self._compiled.get(key)
             if executable is None:
+                check_map_headroom(f"{self.name} bucket {key}")
                 executable = self._lower(key).compile()
                 self._compiled[key] = executable
         return executable

@@ -131,14 +131,19 @@ class Engine:
 
     def _compile_background(self, work: list[tuple[CompiledShapes, list]]) -> None:
         t0 = time.perf_counter()
-        count = sum(compiled.compile_each(keys, self._stop) for compiled, keys in work)
-        if not self._stop.is_set():
-            logger.info(
-                "compiled the other %d shapes in the background in %.1fs",
-                count,
-                time.perf_counter() - t0,
-            )
-        self.compile_done.set()
+        try:
+            count = sum(compiled.compile_each(keys, self._stop) for compiled, keys in work)
+        except Exception:  # a failed compile is that shape's; the step compiles it on first use
+            logger.exception("the background compile stopped")
+        else:
+            if not self._stop.is_set():
+                logger.info(
+                    "compiled the other %d shapes in the background in %.1fs",
+                    count,
+                    time.perf_counter() - t0,
+                )
+        finally:
+            self.compile_done.set()
 
     def shutdown(self) -> None:
         self._stop.set()
