@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with a deadline for reading each request, and errors in the envelope.
+"""uvicorn's h11 protocol with deadlines for reading requests and writing responses, and errors
+in the envelope.
 
 1. uvicorn closes a keep-alive connection that stays idle after a response, but nothing bounds a
    request that is still arriving: a client that opens a connection and sends nothing, or sends
@@ -7,7 +8,16 @@
    of its first byte (of the connection's opening, for the first request). Past that the client
    gets a 408 envelope (or, when its request was already answered, nothing) and the connection is
    closed; a route still waiting for the body sees a disconnect (``api.service.disconnect``).
-2. Bytes that are not HTTP (a garbage request line, a malformed chunk, a bad Content-Length)
+2. A client that stops reading its response (a stream it never reads, a reader stuck behind a
+   full receive window) makes uvicorn's ``send`` wait, with no bound, once the transport's write
+   buffer passes asyncio's 64 KiB high-water mark, until it drains below 16 KiB. Meanwhile the
+   engine keeps generating into the request's queue (``runtime.engine.core``). Here,
+   once the transport pauses writing, the client has ``write_timeout_s`` to take enough bytes to
+   resume it (nginx's ``send_timeout``); past that the connection is aborted (``abort``, not
+   ``close``, which would wait for the unsent bytes forever) with one log line. uvicorn then
+   reports a disconnect, so a streaming route's engine request is aborted and its pages freed
+   (``api.generation.sse``), and nothing of the response stays buffered. 0 disables it.
+3. Bytes that are not HTTP (a garbage request line, a malformed chunk, a bad Content-Length)
    get uvicorn's 400 and a closed connection, but with the OpenAI envelope instead of plain text.
 """
 
@@ -37,14 +47,17 @@ def _envelope_response(status: int, reason: bytes, error: APIError) -> bytes:
     return head + body
 
 
-class ReadTimeoutH11Protocol(H11Protocol):
-    """``H11Protocol`` with a per-request read deadline; ``read_timeout_protocol`` sets it."""
+class TimeoutH11Protocol(H11Protocol):
+    """``H11Protocol`` with a per-request read deadline and a write-stall deadline;
+    ``timeout_protocol`` sets them."""
 
     read_timeout_s: float = 60.0
+    write_timeout_s: float = 30.0  # 0: a client may leave its response unread for ever
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -52,7 +65,17 @@ class ReadTimeoutH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_timeout_s and self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -81,6 +104,29 @@ class ReadTimeoutH11Protocol(H11Protocol):
             self._read_timer.cancel()
             self._read_timer = None
 
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        cycle = self.cycle
+        response, outcome = "its response", ""
+        if cycle is not None:
+            response = f"its response to {cycle.scope['method']} {cycle.scope['path']}"
+            if not cycle.response_complete:
+                outcome = "; the request is aborted"
+        logger.warning(
+            "closing the connection of %s, which has not read %s for %gs (%d bytes unsent)%s",
+            f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
+            response,
+            self.write_timeout_s,
+            self.transport.get_write_buffer_size(),
+            outcome,
+        )
+        self.transport.abort()  # connection_lost follows: a streaming route sees a disconnect
+
     def _read_timed_out(self) -> None:
         self._read_timer = None
         if self.transport.is_closing():
@@ -100,8 +146,7 @@ class ReadTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def read_timeout_protocol(read_timeout_s: float) -> type[ReadTimeoutH11Protocol]:
-    """The protocol class to hand uvicorn (``uvicorn.Config(http=...)``) for this deadline."""
-    return type(
-        "ReadTimeoutH11Protocol", (ReadTimeoutH11Protocol,), {"read_timeout_s": read_timeout_s}
-    )
+def timeout_protocol(read_timeout_s: float, write_timeout_s: float) -> type[TimeoutH11Protocol]:
+    """The protocol class to hand uvicorn (``uvicorn.Config(http=...)``) for these deadlines."""
+    deadlines = {"read_timeout_s": read_timeout_s, "write_timeout_s": write_timeout_s}
+    return type("TimeoutH11Protocol", (TimeoutH11Protocol,), deadlines)

@@ -10,8 +10,10 @@
    second SIGTERM ends the wait early.
 3. SIGINT (Ctrl-C) keeps uvicorn's behaviour: up to ``GRACEFUL_SHUTDOWN_S`` for open connections,
    then ``KeyboardInterrupt`` (``runtime-serve`` exits with status 130).
-4. Connections are read by uvicorn's h11 protocol with a deadline per request
-   (``--request-read-timeout``) and protocol errors in the envelope (``api.cli.http_protocol``).
+4. Connections are served by uvicorn's h11 protocol with a deadline per request
+   (``--request-read-timeout``), a bound on how long a client may leave its response unread
+   (``--response-write-timeout``: then its connection is closed and its request aborted) and
+   protocol errors in the envelope (``api.cli.http_protocol``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import uvicorn
 
 from jax_llm_runtime.api.app import create_app
-from jax_llm_runtime.api.cli.http_protocol import read_timeout_protocol
+from jax_llm_runtime.api.cli.http_protocol import timeout_protocol
 from jax_llm_runtime.api.mcp.client import McpClients
 from jax_llm_runtime.api.service.draining import Drain
 from jax_llm_runtime.api.service.served_models import ModelRegistry, ServedModel
@@ -89,6 +91,19 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
+def uvicorn_config(app: Any, host: str, port: int, server: ServerConfig) -> uvicorn.Config:
+    """How ``runtime-serve`` runs ``app`` under uvicorn (tests serve apps the same way)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=timeout_protocol(server.request_read_timeout_s, server.response_write_timeout_s),
+    )
+
+
 def serve(
     models: EngineClient | Sequence[ServedModel],
     host: str,
@@ -103,15 +118,7 @@ def serve(
     ``UiPortError`` when ``--ui-port`` cannot be bound."""
     drain = Drain()
     app = create_app(models, config=server, drain=drain)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        log_config=None,  # keep our logging setup (stderr or --log) for uvicorn's loggers too
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=read_timeout_protocol(server.request_read_timeout_s),
-    )
+    config = uvicorn_config(app, host, port, server)
     uvicorn_server = _Server(config, app.state.models, drain, shutdown_timeout_s, started_at)
     mcp: McpClients = app.state.mcp
     start_ui_port(host, server.ui)  # --ui-port: the UI alone on a port of its own

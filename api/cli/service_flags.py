@@ -21,6 +21,7 @@ from jax_llm_runtime.api.service.settings import (
     DEFAULT_MCP_MAX_ROUNDS,
     DEFAULT_MCP_TIMEOUT_S,
     DEFAULT_REQUEST_READ_TIMEOUT_S,
+    DEFAULT_RESPONSE_WRITE_TIMEOUT_S,
     TOOL_PARSERS,
     SamplingDefaults,
     ServerConfig,
@@ -110,6 +111,15 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help="a request whose head and body have not all arrived this long after it began "
         "(or after the connection opened) is a 408 and its connection is closed, so slow or "
         "stalled senders cannot hold connections open (default: %(default)s)",
+    )
+    add(
+        "--response-write-timeout",
+        type=float,
+        default=DEFAULT_RESPONSE_WRITE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a client that takes none of its response for this long once the server's send "
+        "buffer is full (a stream it does not read) has its connection closed and its request "
+        "aborted, freeing its KV pages; 0: never (default: %(default)s)",
     )
     _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
     add_ui_flags(parser)
@@ -218,6 +228,7 @@ def server_config(
         tool_parser=args.tool_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         request_read_timeout_s=args.request_read_timeout,
+        response_write_timeout_s=args.response_write_timeout,
         sampling_defaults=defaults,
         mcp_servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
         mcp_max_rounds=args.mcp_max_rounds,

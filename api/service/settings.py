@@ -19,6 +19,7 @@ DEFAULT_MAX_N = 16
 DEFAULT_MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
+DEFAULT_RESPONSE_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MCP_MAX_ROUNDS = 8
 DEFAULT_MCP_TIMEOUT_S = 60.0
 DEFAULT_MCP_MAX_OUTPUT_BYTES = 64 * 1024
@@ -109,7 +110,9 @@ class ServerConfig:
     calls one /v1/responses request may run; ``mcp_timeout_s`` bounds each call and
     ``mcp_max_output_bytes`` each result. ``ui``: the web chat UI's settings (``api.ui``); None
     serves no UI. ``request_read_timeout_s``: how long a request's head and body together may
-    take to arrive (``api.cli.http_protocol``).
+    take to arrive, ``response_write_timeout_s`` how long a client may leave its response unread
+    before its connection is closed and its request aborted (0: for ever; both
+    ``api.cli.http_protocol``).
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -120,6 +123,7 @@ class ServerConfig:
     max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    response_write_timeout_s: float = DEFAULT_RESPONSE_WRITE_TIMEOUT_S
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_parser: str = "auto"  # a name of api.tool_calling.parsers.PARSERS, or "auto"
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -161,6 +165,9 @@ class ServerConfig:
             raise ValueError(
                 f"request_read_timeout_s must be > 0, got {self.request_read_timeout_s}"
             )
+        write_timeout_s = self.response_write_timeout_s
+        if not (math.isfinite(write_timeout_s) and write_timeout_s >= 0):
+            raise ValueError(f"response_write_timeout_s must be >= 0, got {write_timeout_s}")
 
     def _check_mcp(self) -> None:
         names = [server.name for server in self.mcp_servers]

@@ -39,14 +39,22 @@ class _ReadyServer(uvicorn.Server):
 def serve_in_thread(app: Litestar) -> Iterator[str]:
     """Serve ``app`` (lifespan included) on a free port of 127.0.0.1; yields the base URL."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    with serve_config_in_thread(config) as server:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        yield f"http://{host}:{port}"
+
+
+@contextmanager
+def serve_config_in_thread(config: uvicorn.Config) -> Iterator[uvicorn.Server]:
+    """Serve ``config`` (its port 0: a free one) in a thread; yields the started server, whose
+    ``server_state.connections`` are the open connections' protocols."""
     server = _ReadyServer(config)
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     try:
         while not server.ready.wait(timeout=0.05):
             assert thread.is_alive(), "the app did not start"
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        yield f"http://{host}:{port}"
+        yield server
     finally:
         server.should_exit = True
         thread.join(timeout=60)

@@ -178,6 +178,18 @@ def test_request_read_timeout_flag() -> None:
             server_config(args)
 
 
+def test_response_write_timeout_flag() -> None:
+    args = build_parser().parse_args(["--mock-engine"])
+    assert server_config(args).response_write_timeout_s == 30
+    for value, seconds in (("2.5", 2.5), ("0", 0.0)):  # 0: a response may stay unread for ever
+        args = build_parser().parse_args(["--mock-engine", "--response-write-timeout", value])
+        assert server_config(args).response_write_timeout_s == seconds
+    for bad in ("-1", "nan", "inf"):
+        args = build_parser().parse_args(["--mock-engine", "--response-write-timeout", bad])
+        with pytest.raises(ValueError, match="response_write_timeout_s"):
+            server_config(args)
+
+
 # ----------------------------------------------------------------------------- served names
 
 
