@@ -13,7 +13,8 @@
 3. Serve ``create_app(models)`` with uvicorn; the app's lifespan connects the MCP servers of
    ``--mcp-config`` (a failure: one line, exit status 1) and starts the engines (compilation and
    warmup) before the socket accepts requests, then ``Serving <model> on http://host:port/v1``
-   is printed (several models: their names joined by commas).
+   is printed (several models: their names joined by commas); ``--host unix:///path`` serves on
+   that unix socket instead (``api.cli.unix_socket``).
 4. SIGTERM drains (``api.cli.serve.server``): no new requests, up to ``--shutdown-timeout`` for those in
    flight, the rest aborted, exit status 0. Ctrl-C stops sooner, with exit status 130.
 """
@@ -37,6 +38,11 @@ from jax_llm_runtime.api.cli.service_flags import (
     generation_config_defaults,
     sampling_flags,
     server_config,
+)
+from jax_llm_runtime.api.cli.unix_socket import (
+    UnixSocketError,
+    check_unix_socket_path,
+    unix_socket_path,
 )
 from jax_llm_runtime.runtime.config import (
     DEFAULT_MAX_WAITING,
@@ -110,6 +116,7 @@ IGNORED_FLAGS: tuple[tuple[str, dict[str, object], str], ...] = (
 KEEP_ALIVE_ENV = "KEEP_ALIVE_INTERVAL"  # candle-vllm's SSE keep-alive period; nothing reads it here
 # Drain, abort and exit within Kubernetes' default 30 s between SIGTERM and SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25
+DEFAULT_PORT = 2000
 STARTED = time.monotonic()  # module import: close enough to process start
 logger = logging.getLogger(__name__)
 
@@ -435,13 +442,14 @@ def _add_server_flags(group: argparse._ArgumentGroup) -> None:
         "--h",
         default="127.0.0.1",
         help="interface to listen on; HOST:PORT, [IPv6]:PORT and tcp://HOST[:PORT] set --port "
-        "too (default: %(default)s)",
+        "too; unix:///PATH (or file://, socket://) serves on that unix socket instead, removed "
+        "at shutdown (default: %(default)s)",
     )
     add(
         "--port",
         "--p",
         type=_port,
-        default=2000,
+        default=DEFAULT_PORT,
         help="TCP port; 0 picks a free one (default: %(default)s)",
     )
     add(
@@ -507,14 +515,9 @@ def _add_candle_vllm_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _bind_address(text: str) -> tuple[str, int | None]:
-    """candle-vllm's --h forms: host, host:port, [ipv6]:port, tcp://host[:port] (ValueError for
-    a unix socket or a bad port)."""
+    """candle-vllm's --h forms of a TCP address: host, host:port, [ipv6]:port, tcp://host[:port]
+    (ValueError for a bad port)."""
     address = text
-    for scheme in ("unix://", "file://", "socket://"):
-        if address.startswith(scheme):
-            raise ValueError(
-                f"--host {text}: serving on a unix socket is not supported; use --host and --port"
-            )
     if address.startswith("tcp://"):
         address = address[len("tcp://") :].rstrip("/")
     if address.startswith("["):
@@ -562,10 +565,7 @@ def resolve_compat_flags(
             "implemented here; fp8 is float8 e4m3 with a scale per token and KV head"
         )
         args.kv_cache_dtype = "fp8"
-    host, port = _bind_address(args.host)
-    args.host = host
-    if port is not None:
-        args.port = port
+    warnings += _resolve_bind_address(args)
     if args.enforce_parser is not None:
         parser = ENFORCE_PARSERS[args.enforce_parser]
         if parser is None:
@@ -582,6 +582,27 @@ def resolve_compat_flags(
         warnings.append(
             f"${KEEP_ALIVE_ENV} ignored: streamed responses here send no keep-alive comments"
         )
+    return warnings
+
+
+def _resolve_bind_address(args: argparse.Namespace) -> list[str]:
+    """Split --host into ``args.host`` and ``args.port``, or ``args.uds`` (a unix socket's path,
+    else None); the warning lines for the flags a unix socket leaves without meaning."""
+    args.uds = unix_socket_path(args.host)
+    if args.uds is None:
+        args.host, port = _bind_address(args.host)
+        if port is not None:
+            args.port = port
+        return []
+    warnings = []
+    if args.port != DEFAULT_PORT:
+        warnings.append(f"--port {args.port} ignored: the API is served on unix://{args.uds}")
+    if args.ui_port is not None:
+        warnings.append(
+            f"--ui-port {args.ui_port} ignored: there is no TCP port beside a unix socket; "
+            "the web UI is served at / of the socket"
+        )
+        args.ui_port, args.ui_server = None, "1"
     return warnings
 
 
@@ -718,12 +739,18 @@ def _load_models(configs: Sequence[EngineConfig], args: argparse.Namespace) -> l
 
 
 def _serve(
-    models: list[ServedModel], host: str, port: int, server: ServerConfig, shutdown_timeout_s: int
+    models: list[ServedModel],
+    host: str,
+    port: int,
+    server: ServerConfig,
+    shutdown_timeout_s: int,
+    uds: str | None = None,
 ) -> bool:
-    """Run uvicorn until SIGTERM or Ctrl-C; False when the app failed to start (engine error)."""
+    """Run uvicorn until SIGTERM or Ctrl-C; False when the app failed to start (engine error).
+    ``uds``: a unix socket's path to serve on instead of ``host`` and ``port``."""
     from jax_llm_runtime.api.cli.server import serve
 
-    return serve(models, host, port, server, shutdown_timeout_s, STARTED)
+    return serve(models, host, port, server, shutdown_timeout_s, STARTED, uds)
 
 
 def _checked_flags(
@@ -736,6 +763,8 @@ def _checked_flags(
         _check_save_prepared(args)
         configs = _engine_configs(args)
         cluster = cluster_config(args)
+        if args.uds is not None and cluster.leads:  # only rank 0 serves HTTP
+            check_unix_socket_path(args.uds)
         server_config(args)  # validate the service flags before loading anything
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
@@ -823,9 +852,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jax_llm_runtime.api.ui.port_server import UiPortError
 
     try:
-        started = _serve(models, args.host, args.port, server, args.shutdown_timeout)
+        started = _serve(models, args.host, args.port, server, args.shutdown_timeout, args.uds)
         return 0 if started else 1
-    except (McpStartupError, UiPortError) as exc:
+    except (McpStartupError, UiPortError, UnixSocketError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown

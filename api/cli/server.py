@@ -2,7 +2,8 @@
 
 1. Once the socket listens (the app's lifespan has started the engines), ``Serving <model> on
    http://host:port/v1 (ready in Ns)`` is printed and logged (several models: their names joined
-   by commas); scripts and tests wait for it.
+   by commas); scripts and tests wait for it. On a unix socket (``api.cli.unix_socket``) the line
+   says ``on unix:///path (ready in Ns)``, and the socket file is removed when the server stops.
 2. SIGTERM drains instead of stopping at once (``api.service.draining``): new requests get a 503 and
    ``/health`` turns 503 while the socket stays open, the requests in flight get
    ``shutdown_timeout_s`` to finish and the rest are aborted with an error. Then uvicorn closes
@@ -30,6 +31,7 @@ import uvicorn
 
 from jax_llm_runtime.api.app import create_app
 from jax_llm_runtime.api.cli.http_protocol import timeout_protocol
+from jax_llm_runtime.api.cli.unix_socket import bind_unix_socket
 from jax_llm_runtime.api.mcp.client import McpClients
 from jax_llm_runtime.api.service.draining import Drain
 from jax_llm_runtime.api.service.served_models import ModelRegistry, ServedModel
@@ -62,12 +64,18 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
             ready = time.monotonic() - self._started_at
             names = ",".join(entry.name for entry in self._models.entries)
-            line = f"Serving {names} on http://{host}:{port}/v1 (ready in {ready:.1f}s)"
+            line = f"Serving {names} on {self._address()} (ready in {ready:.1f}s)"
             logger.info(line)
             print(line, flush=True)
+
+    def _address(self) -> str:
+        name = self.servers[0].sockets[0].getsockname()
+        if isinstance(name, str):  # a unix socket's path
+            return f"unix://{name}"
+        host, port = name[:2]
+        return f"http://{host}:{port}/v1"
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or not self.started:
@@ -111,21 +119,28 @@ def serve(
     server: ServerConfig,
     shutdown_timeout_s: float,
     started_at: float,
+    uds: str | None = None,
 ) -> bool:
     """Serve ``create_app(models)`` until SIGTERM or SIGINT; False when the app failed to start
     (an engine startup error). ``started_at`` (``time.monotonic()``) is when the process began,
-    for the ready line. Raises ``McpStartupError`` when an MCP server could not be connected, and
-    ``UiPortError`` when ``--ui-port`` cannot be bound."""
+    for the ready line. ``uds``: serve on this unix socket path instead of ``host`` and ``port``.
+    Raises ``McpStartupError`` when an MCP server could not be connected, ``UiPortError`` when
+    ``--ui-port`` cannot be bound and ``UnixSocketError`` when ``uds`` cannot be."""
     drain = Drain()
     app = create_app(models, config=server, drain=drain)
     config = uvicorn_config(app, host, port, server)
     uvicorn_server = _Server(config, app.state.models, drain, shutdown_timeout_s, started_at)
     mcp: McpClients = app.state.mcp
     start_ui_port(host, server.ui)  # --ui-port: the UI alone on a port of its own
+    unix_socket = bind_unix_socket(uds) if uds is not None else None
     try:
-        uvicorn_server.run()
+        uvicorn_server.run(sockets=None if unix_socket is None else [unix_socket.sock])
     except SystemExit:  # uvicorn's exit status 3 for a failed lifespan startup
         if mcp.startup_error is not None:
             raise mcp.startup_error from None
         raise
+    finally:
+        if unix_socket is not None:
+            unix_socket.sock.close()
+            unix_socket.remove()
     return uvicorn_server.started

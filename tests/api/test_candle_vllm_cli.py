@@ -247,6 +247,26 @@ def test_bind_addresses(
 
 
 @pytest.mark.parametrize(
+    "command",
+    [
+        "--h unix://{tmp}/candle-vllm.sock",  # candle-vllm's README
+        "--h file://{tmp}/candle-vllm.sock",
+        "--h socket://{tmp}/candle-vllm.sock",
+        "--host unix://{tmp}/candle-vllm.sock --port 2000",  # the default port: no warning
+    ],
+)
+def test_unix_socket_addresses(
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed = parse(f"{command.format(tmp=tmp_path)} --m x", capsys, monkeypatch)
+    assert parsed.args.uds == f"{tmp_path}/candle-vllm.sock"
+    assert parsed.warnings == []
+
+
+@pytest.mark.parametrize(
     ("command", "flag"),
     [
         ("--multithread --d 0,1 --w {weights}", "--multithread"),
@@ -385,7 +405,7 @@ def test_keep_alive_interval_is_one_warning_line(
         ("--f /no/such/model.gguf", "--weight-file /no/such/model.gguf"),
         ("--f model.safetensors", "--weight-file"),
         ("--d 0,1,2 --dp 2", "--data-parallel-size"),
-        ("--h unix:///tmp/candle-vllm.sock --m x", "unix socket"),
+        ("--h unix:///no/such/folder/candle-vllm.sock --m x", "does not exist"),
         ("--h 127.0.0.1:99999 --m x", "--host"),
         ("--log-level loud", "--log-level"),
         ("--thinking maybe", "--thinking"),

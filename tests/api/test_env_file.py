@@ -90,7 +90,7 @@ def test_runtime_serve_reads_dotenv_before_its_flags(
     (tmp_path / ".env").write_text("RUNTIME_API_KEY=key-from-dotenv\n")
     served: dict[str, Any] = {}
 
-    def fake_serve(engine: Any, host: str, port: int, server: Any, timeout: int) -> bool:
+    def fake_serve(engine: Any, host: str, port: int, server: Any, *_: Any) -> bool:
         served["server"] = server
         return True
 
