@@ -9,6 +9,7 @@ makes the background thread and the step share one compilation), and says so in 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -72,6 +73,17 @@ def check_map_headroom(what: str) -> None:
             round(100 * REFUSE_MAPS),
             advice,
         )
+
+
+def release_freed_memory() -> None:
+    """Give the memory compiles freed back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing). XLA's compiles free most of what they allocate, but glibc keeps it in its
+    arenas: the default model's server held 0.4 GB of it after compiling its 111 shapes."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 class CompiledShapes:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
+from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes, release_freed_memory
 from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner, ForwardJob, Pooling
 from jax_llm_runtime.runtime.engine.grammar import GrammarCompiler, GrammarMatcher
 from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
@@ -143,6 +143,7 @@ class Engine:
                     time.perf_counter() - t0,
                 )
         finally:
+            release_freed_memory()
             self.compile_done.set()
 
     def shutdown(self) -> None:
