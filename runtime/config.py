@@ -42,8 +42,7 @@ class EngineConfig:
     models. A stream then receives its tokens in bursts of that many.
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
     token and KV head; "float32", "float16" or "bfloat16" in that dtype; "auto" in the model
-    dtype, or float16 for a float32 model whose projections take int8 activations on CPU
-    (``runtime.loading.builder.resolve_kv_cache_dtype``). matmul_dtype "bfloat16" multiplies
+    dtype. matmul_dtype "bfloat16" multiplies
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
     models.layers.linear); "int8" rounds their activations to int8 blocks of 32 (llama.cpp's
     rounding) and multiplies with integer dots in the native CPU kernel; "model" multiplies in

@@ -312,8 +312,7 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--kvcache-dtype",
         choices=(*KV_CACHE_DTYPES, *TURBO_KV_CACHE_DTYPES),
         default="auto",
-        help="KV cache storage: auto = the model dtype (float16 for a float32 model on a CPU whose "
-        "projections take int8 activations, as llama.cpp's f16 default); float32, float16 or bfloat16 = that dtype; "
+        help="KV cache storage: auto = the model dtype; float32, float16 or bfloat16 = that dtype; "
         "fp8 (or fp8_e4m3) = float8 e4m3 with one scale per token and KV head, about a quarter of "
         "float32's bytes; candle-vllm's turbo8, turbo4, turbo3 are served as fp8, with a warning "
         "(default: %(default)s)",

@@ -52,27 +52,14 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def resolve_kv_cache_dtype(
-    name: str, model_dtype: jnp.dtype, operand_dtype: str | None = None
-) -> jnp.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
     """The KV cache's float dtype for ``--kv-cache-dtype`` (``KVCache.dtype``; on CPU a bfloat16
-    or float8 one is stored as integers, ``storage_dtype``): a float dtype named, e4m3 with
-    scales ("fp8*"), or for "auto" the model dtype, except float16 for a float32 model on CPU
-    whose projections take int8 activations (``operand_dtype``, ``--matmul-dtype auto`` on CPUs
-    with integer dots), as llama.cpp's default f16 cache: half the bytes per token, the same
-    perplexity (BENCHMARKS.md), and XLA:CPU writes float16 in place. With float activations a
-    float32 model keeps float32: XLA's float dots differ by ~1e-7 between batch sizes, and a
-    16-bit cache's rounding turns that into ~5e-4 in a request's logprobs alone and in a batch;
-    int8 activations are exact per row, so the rounding sees the same values in any batch."""
+    or float8 one is stored as integers, ``storage_dtype``): the model dtype ("auto"), a float
+    dtype named, or e4m3 with scales ("fp8*"). (A float32 model's "auto" stays float32 on CPU: a
+    16-bit cache leaves perplexity unchanged, but its rounding turns the float path's ~1e-7
+    batch-to-batch differences into ~5e-4 in logprobs; BENCHMARKS.md.)"""
     if name == "auto":
-        model_dtype = jnp.dtype(model_dtype)
-        if (
-            model_dtype == jnp.float32
-            and operand_dtype == "int8"
-            and jax.default_backend() == "cpu"
-        ):
-            return jnp.dtype(jnp.float16)
-        return model_dtype
+        return jnp.dtype(model_dtype)
     return FP8 if name.startswith("fp8") else jnp.dtype(name)
 
 
@@ -167,7 +154,7 @@ def _build_replica(
         weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
 
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, model_config.operand_dtype)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     num_pages, max_model_len = _size_cache(config, model_config, kv_dtype)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None

@@ -59,10 +59,10 @@ def run_all(engine, jobs):
     return asyncio.run(main())
 
 
-@pytest.fixture(scope="module", params=["auto", "float32"])
+@pytest.fixture(scope="module", params=["auto", "float16"])
 def int8_engine(smollm2_gguf, request):
-    """The same model with int8 activations (``--matmul-dtype int8``), with the default KV cache
-    (float16 under int8 activations) and a float32 one."""
+    """The same model with int8 activations (``--matmul-dtype int8``), with a float32 and a
+    float16 KV cache."""
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
