@@ -180,6 +180,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM.rs's context-cache id, which candle-vllm's examples/chat.py always sends (null unless
+    # --context_cache): accepted and unused, the prefix cache reuses a conversation's K/V anyway.
+    session_id: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):

@@ -7,6 +7,7 @@ request reaches the engine. (The model name is resolved before the route runs, b
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,8 @@ T = TypeVar("T")
 # "... - at `$.a[0].b`", or for a dict's key "... - at `key` in `$.logit_bias`".
 _LOCATION = re.compile(r"^(?P<text>.*?) - at (?P<key>`key` in )?`\$\.?(?P<path>[^`]*)`$", re.DOTALL)
 _NAMED_FIELD = re.compile(r"field `(?P<field>[^`]+)`")
+
+logger = logging.getLogger(__name__)
 
 
 def decode_body(body: bytes, body_type: type[T]) -> T:
@@ -116,10 +119,17 @@ def resolve_max_tokens(
     """The completion budget: ``requested``, or all the context the prompt leaves; checked by the
     engine's own rule (``runtime.engine.request.check_context``) before anything is submitted.
 
-    ``prompt_param`` ("messages" or "prompt") is named when the prompt alone leaves no room;
-    ``max_tokens`` is named when only the requested budget does not fit.
+    A ``max_tokens`` larger than the room the prompt leaves is lowered to that room (the
+    completion then ends with ``finish_reason`` "length"), as candle-vllm and llama.cpp's server
+    do: their clients send large fixed budgets (candle-vllm's ``examples/chat.py`` asks for
+    16,384 tokens whatever the model). A prompt that leaves no room at all is a 400 naming
+    ``prompt_param`` ("messages" or "prompt").
     """
-    budget = max_model_len - prompt_len if requested is None else requested
+    room = max_model_len - prompt_len
+    budget = room if requested is None else requested
+    if budget > room > 0:
+        logger.info("max_tokens %d lowered to %d, the context the prompt leaves", budget, room)
+        budget = room
     try:
         check_context(max_model_len, prompt_len, budget)
     except ContextLengthError as e:

@@ -23,17 +23,19 @@ def test_the_rule_at_its_boundaries() -> None:
 
 
 @pytest.mark.parametrize(
-    ("requested", "prompt_len", "expected"), [(None, 10, 6), (6, 10, 6), (1, 15, 1)]
+    ("requested", "prompt_len", "expected"),
+    [(None, 10, 6), (6, 10, 6), (1, 15, 1), (7, 10, 6), (16384, 15, 1)],
 )
 def test_the_api_budget_follows_the_rule(requested, prompt_len, expected) -> None:
+    """Within the context as asked; beyond it, lowered to the room the prompt leaves."""
     assert resolve_max_tokens(requested, prompt_len, 16, "prompt") == expected
 
 
 @pytest.mark.parametrize(
     ("requested", "prompt_len", "param"),
-    [(7, 10, "max_tokens"), (None, 16, "messages"), (3, 20, "messages")],
+    [(None, 16, "messages"), (3, 20, "messages"), (7, 16, "messages")],
 )
-def test_the_api_error_names_the_field_to_shorten(requested, prompt_len, param) -> None:
+def test_the_api_error_names_the_prompt_that_leaves_no_room(requested, prompt_len, param) -> None:
     with pytest.raises(APIError) as e:
         resolve_max_tokens(requested, prompt_len, 16, "messages")
     assert e.value.status_code == 400 and e.value.param == param
