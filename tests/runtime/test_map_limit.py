@@ -57,10 +57,12 @@ def test_the_log_warns_once_past_half_the_limit(maps_held, caplog) -> None:
     assert "600 memory maps" in warnings[0].getMessage()
 
 
-def test_the_background_compile_stops_at_the_limit_and_keeps_what_it_has(maps_held, caplog) -> None:
+def test_the_background_compile_stops_at_the_limit_and_keeps_what_it_has(
+    maps_held, monkeypatch, caplog
+) -> None:
     shapes = _shapes()
     held_after = iter([10, 10, 950, 950])
-    compiled_shapes.memory_maps = lambda: (next(held_after), 1000)  # restored by monkeypatch
+    monkeypatch.setattr(compiled_shapes, "memory_maps", lambda: (next(held_after), 1000))
     with caplog.at_level(logging.ERROR, logger=compiled_shapes.__name__):
         count = shapes.compile_each([1, 2, 3, 4], threading.Event())
     assert count == 2
