@@ -75,7 +75,6 @@ async def start_chat(
         completion_budget(requested, len(prompt_ids), engine.max_model_len, config, None),
         len(prompt_ids),
         engine.max_model_len,
-        "messages",
     )
     sampling = dataclasses.replace(build_sampling(body, max_tokens), grammar=grammar)
     if tools is not None:  # call markers may be special tokens: the parser must see them

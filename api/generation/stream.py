@@ -26,6 +26,7 @@ from jax_llm_runtime.api.service.disconnect import cancel_on_disconnect
 from jax_llm_runtime.api.service.metrics import Metrics
 from jax_llm_runtime.runtime.engine.interface import EngineClient
 from jax_llm_runtime.runtime.engine.request import (
+    ContextLengthError,
     FinishReason,
     GenerationDelta,
     SamplingFieldError,
@@ -168,22 +169,22 @@ async def start_generation(
     request_id: str,
     metrics: Metrics | None = None,
     n: int = 1,
+    prompt_param: str = "messages",
 ) -> list[Generation]:
     """Submit ``n`` completions of the prompt and wait for the first delta of each.
 
-    Raises APIError(400) when the engine rejects the prompt, ClientDisconnectedError when the
-    client leaves first (the engine requests are aborted), APIError(503) when the engine is not
-    running or shuts down.
+    Raises APIError(400) when the engine rejects the submission (a prompt and budget beyond the
+    context name ``prompt_param``, the request's field for the prompt), ClientDisconnectedError
+    when the client leaves first (the engine requests are aborted), APIError(503) when the engine
+    is not running or shuts down.
     """
     if not engine.healthy():
         raise APIError(503, "The engine is not running.", code="engine_unhealthy")
     timing = RequestTiming()
     try:
         streams = engine.generate_n(prompt_ids, sampling, request_id, n)
-    except SamplingFieldError as exc:
-        raise bad_request(str(exc), param=exc.param) from None
     except ValueError as exc:
-        raise bad_request(str(exc), code="invalid_prompt") from None
+        raise _rejected(exc, prompt_param) from None
 
     async def first_deltas() -> list[GenerationDelta]:
         return list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -193,10 +194,8 @@ async def start_generation(
     except BaseException as exc:
         for stream in streams:
             await _close(stream)
-        if isinstance(exc, SamplingFieldError):
-            raise bad_request(str(exc), param=exc.param) from None
         if isinstance(exc, ValueError):
-            raise bad_request(str(exc), code="invalid_prompt") from None
+            raise _rejected(exc, prompt_param) from None
         if isinstance(exc, StopAsyncIteration):
             raise EngineStreamError("the engine stream ended before its first delta") from None
         raise
@@ -205,6 +204,19 @@ async def start_generation(
         Generation(stream, first, timing, metrics, engine.model_name)
         for stream, first in zip(streams, firsts, strict=True)
     ]
+
+
+def _rejected(exc: ValueError, prompt_param: str) -> APIError:
+    """The 400 for a submission the engine refused."""
+    if isinstance(exc, ContextLengthError):  # names the prompt when it alone leaves no room
+        return bad_request(
+            exc.describe(prompt_param),
+            param=prompt_param if exc.prompt_too_long else "max_tokens",
+            code="context_length_exceeded",
+        )
+    if isinstance(exc, SamplingFieldError):
+        return bad_request(str(exc), param=exc.param)
+    return bad_request(str(exc), code="invalid_prompt")
 
 
 async def collect_all(choices: list[Any]) -> list[TextPiece]:

@@ -19,8 +19,8 @@ from jax_llm_runtime.api.protocol.bodies import (
     CompletionRequest,
     SamplingFields,
 )
-from jax_llm_runtime.api.protocol.errors import APIError, bad_request, not_supported
-from jax_llm_runtime.runtime.engine.request import ContextLengthError, SamplingParams, check_context
+from jax_llm_runtime.api.protocol.errors import bad_request, not_supported
+from jax_llm_runtime.runtime.engine.request import SamplingParams
 
 T = TypeVar("T")
 
@@ -103,37 +103,21 @@ def check_top_logprobs(requested: int | None, cap: int, param: str) -> None:
         )
 
 
-def context_length_error(error: ContextLengthError, prompt_param: str) -> APIError:
-    """OpenAI's 400 for a prompt plus completion that does not fit the model's context: it names
-    the prompt when the prompt alone leaves no room, else ``max_tokens``."""
-    return bad_request(
-        error.describe(prompt_param),
-        param=prompt_param if error.prompt_too_long else "max_tokens",
-        code="context_length_exceeded",
-    )
-
-
-def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str
-) -> int:
-    """The completion budget: ``requested``, or all the context the prompt leaves; checked by the
-    engine's own rule (``runtime.engine.request.check_context``) before anything is submitted.
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The completion budget to submit: ``requested``, or all the context the prompt leaves.
 
     A ``max_tokens`` larger than the room the prompt leaves is lowered to that room (the
     completion then ends with ``finish_reason`` "length"), as candle-vllm and llama.cpp's server
     do: their clients send large fixed budgets (candle-vllm's ``examples/chat.py`` asks for
-    16,384 tokens whatever the model). A prompt that leaves no room at all is a 400 naming
-    ``prompt_param`` ("messages" or "prompt").
+    16,384 tokens whatever the model). Nothing is checked here: a prompt that leaves no room is
+    refused by the engine's one context rule (``runtime.engine.request.check_context``) when it
+    is submitted, and ``start_generation`` turns that into a 400 naming the prompt.
     """
     room = max_model_len - prompt_len
-    budget = room if requested is None else requested
+    budget = max(room, 1) if requested is None else requested
     if budget > room > 0:
         logger.info("max_tokens %d lowered to %d, the context the prompt leaves", budget, room)
         budget = room
-    try:
-        check_context(max_model_len, prompt_len, budget)
-    except ContextLengthError as e:
-        raise context_length_error(e, prompt_param) from None
     return budget
 
 

@@ -131,28 +131,43 @@ async def _echo(
 
 @dataclass
 class _Prompt:
-    """One prompt of the request, ready to submit: its ids, sampling and echo."""
+    """One prompt of the request, ready to submit: its ids, text (None: given as ids) and
+    sampling."""
 
     ids: list[int]
+    text: str | None
     sampling: SamplingParams
-    echo: Echo | None = None
 
 
-async def _prepare(
+def _prepare(
     served: Any, body: CompletionRequest, prompts: list[tuple[list[int], str | None]]
 ) -> list[_Prompt]:
-    """Every prompt's sampling (its own budget) and echo, before anything is submitted."""
+    """Every prompt's sampling (its own budget), before anything is submitted."""
     engine, config = served.engine, served.config
     out = []
     for ids, text in prompts:
         requested = completion_budget(
             body.max_tokens, len(ids), engine.max_model_len, config, DEFAULT_COMPLETION_MAX_TOKENS
         )
-        max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, "prompt")
-        sampling = build_sampling(body, max_tokens)
+        sampling = build_sampling(
+            body, resolve_max_tokens(requested, len(ids), engine.max_model_len)
+        )
         check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "logprobs")
-        out.append(_Prompt(ids, sampling, await _echo(engine, body, ids, text, sampling.logprobs)))
+        out.append(_Prompt(ids, text, sampling))
     return out
+
+
+async def _echoes(
+    engine: EngineClient, body: CompletionRequest, prompts: list[_Prompt], started: list[Generation]
+) -> list[Echo | None]:
+    """Each prompt's echo, scored once the engine has accepted every prompt; when one cannot be
+    scored, the started generations are closed before its error goes out."""
+    try:
+        return [await _echo(engine, body, p.ids, p.text, p.sampling.logprobs) for p in prompts]
+    except BaseException:
+        for generation in started:
+            await generation.aclose()
+        raise
 
 
 async def _start_all(
@@ -168,7 +183,7 @@ async def _start_all(
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{i}" for i in range(len(prompts))]
     results = await asyncio.gather(
         *(
-            start_generation(engine, request, p.ids, p.sampling, rid, metrics, n)
+            start_generation(engine, request, p.ids, p.sampling, rid, metrics, n, "prompt")
             for p, rid in zip(prompts, ids, strict=True)
         ),
         return_exceptions=True,
@@ -201,11 +216,11 @@ async def create_completion(
     check_supported(body)
     body = with_sampling_defaults(body, served.config.sampling_defaults)
     n = resolve_n(body.n, served.config.max_n)
-    prompts = await _prepare(served, body, await completion_prompts(engine.tokenizer, body))
+    prompts = _prepare(served, body, await completion_prompts(engine.tokenizer, body))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     generations = await _start_all(engine, request, prompts, request_id, metrics, n)
-    echoes = [prompt.echo for prompt in prompts for _ in range(n)]
+    echoes = [e for e in await _echoes(engine, body, prompts, generations) for _ in range(n)]
     tokenizer = engine.tokenizer if prompts[0].sampling.logprobs is not None else None
     if body.stream:
         factories = [

@@ -33,6 +33,7 @@ from jax_llm_runtime.runtime.engine.request import (
     SamplingFieldError,
     SamplingParams,
     TokenLogprobs,
+    check_context,
 )
 from jax_llm_runtime.runtime.engine.stats import EngineStats
 from jax_llm_runtime.runtime.text.stop_strings import OutputText
@@ -194,11 +195,6 @@ class MockEngine:
             raise RuntimeError("MockEngine.generate called before start()")
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
-                f"within max_model_len={self.max_model_len}"
-            )
         bad = [t for t in prompt_token_ids if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})")
@@ -271,6 +267,7 @@ class MockEngine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self._validate(prompt_token_ids)
+        check_context(self.max_model_len, len(prompt_token_ids), sampling.max_tokens)
         if sampling.grammar is not None:  # its echo could not follow one
             raise SamplingFieldError("response_format", "the mock engine cannot constrain output")
         room = self.max_num_seqs + self.max_waiting
@@ -305,6 +302,8 @@ class MockEngine:
     ) -> list[TokenLogprobs | None]:
         """A fixed fake score per token (-1.0, alternatives -2.0, -3.0, ...), None for the first."""
         self._validate(prompt_token_ids)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt must have 1 to {self.max_model_len} tokens")
         alternatives = tuple((t, -2.0 - i) for i, t in enumerate(range(top)))
         return [None] + [TokenLogprobs(t, -1.0, alternatives) for t in prompt_token_ids[1:]]
 

@@ -49,8 +49,9 @@ class ContextLengthError(ValueError):
 
 def check_context(max_model_len: int, prompt_len: int, completion_len: int) -> None:
     """The one context-length rule: a prompt needs room for at least one token, and the prompt
-    plus ``completion_len`` must fit ``max_model_len``. The engine checks every submission with
-    it; the HTTP layer calls it first to check a whole request before submitting any of it."""
+    plus ``completion_len`` must fit ``max_model_len``. The engine (and the mock engine) checks
+    every submission with it, and only there; the HTTP layer turns its error into a 400 naming
+    the request's prompt field."""
     if prompt_len + max(completion_len, 1) > max_model_len:
         raise ContextLengthError(max_model_len, prompt_len, max(completion_len, 1))
 

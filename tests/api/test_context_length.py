@@ -1,11 +1,11 @@
-"""One context-length rule (``check_context``) for the engine and the HTTP layer: the API checks
-a whole request with it before submitting, and the engine checks every submission with it."""
+"""One context-length rule (``check_context``), checked once, where a prompt is submitted to the
+engine: the HTTP layer only lowers a budget to the room the prompt leaves, and turns the engine's
+refusal into OpenAI's 400 naming the request's prompt field."""
 
 from __future__ import annotations
 
 import pytest
 
-from jax_llm_runtime.api.protocol.errors import APIError
 from jax_llm_runtime.api.protocol.validation import resolve_max_tokens
 from jax_llm_runtime.runtime.engine.request import ContextLengthError, check_context
 
@@ -24,19 +24,9 @@ def test_the_rule_at_its_boundaries() -> None:
 
 @pytest.mark.parametrize(
     ("requested", "prompt_len", "expected"),
-    [(None, 10, 6), (6, 10, 6), (1, 15, 1), (7, 10, 6), (16384, 15, 1)],
+    [(None, 10, 6), (6, 10, 6), (1, 15, 1), (7, 10, 6), (16384, 15, 1), (None, 16, 1), (3, 20, 3)],
 )
-def test_the_api_budget_follows_the_rule(requested, prompt_len, expected) -> None:
-    """Within the context as asked; beyond it, lowered to the room the prompt leaves."""
-    assert resolve_max_tokens(requested, prompt_len, 16, "prompt") == expected
-
-
-@pytest.mark.parametrize(
-    ("requested", "prompt_len", "param"),
-    [(None, 16, "messages"), (3, 20, "messages"), (7, 16, "messages")],
-)
-def test_the_api_error_names_the_prompt_that_leaves_no_room(requested, prompt_len, param) -> None:
-    with pytest.raises(APIError) as e:
-        resolve_max_tokens(requested, prompt_len, 16, "messages")
-    assert e.value.status_code == 400 and e.value.param == param
-    assert e.value.code == "context_length_exceeded" and "in the messages" in e.value.message
+def test_the_api_budget_is_lowered_to_the_room_left(requested, prompt_len, expected) -> None:
+    """Within the context as asked; beyond it, lowered to the room the prompt leaves; a prompt
+    that leaves no room keeps a budget the engine's rule then refuses."""
+    assert resolve_max_tokens(requested, prompt_len, 16) == expected

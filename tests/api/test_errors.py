@@ -177,6 +177,35 @@ def test_prompt_longer_than_the_context_is_400(client: Client) -> None:
     assert_error(response, 400, param="prompt", code="context_length_exceeded")
 
 
+def test_an_echoed_prompt_longer_than_the_context_is_refused_before_it_is_scored(
+    client: Client, engine: MockEngine
+) -> None:
+    """The engine's one context check answers before the prompt's echo logprobs are computed
+    (a prompt of the whole context could be scored, but leaves no room to generate)."""
+    scored: list[int] = []
+
+    async def prompt_logprobs(ids: list[int], top: int) -> Any:
+        scored.append(len(ids))
+        return [None] * len(ids)
+
+    engine.prompt_logprobs = prompt_logprobs  # type: ignore[method-assign]
+    prompt = list(range(65, 65 + 26)) * (MAX_MODEL_LEN // 26 + 1)
+    body = {"prompt": prompt[:MAX_MODEL_LEN], "echo": True, "logprobs": 1, "max_tokens": 1}
+    response = client.post("/v1/completions", json=body)
+    assert_error(response, 400, "prompt", "context_length_exceeded")
+    assert not scored
+
+
+def test_a_batch_with_one_prompt_beyond_the_context_starts_nothing(
+    client: Client, engine: MockEngine
+) -> None:
+    """The other prompts of the batch are aborted before the 400 goes out."""
+    prompts = ["short", "x" * (MAX_MODEL_LEN + 10)]
+    response = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded")
+    assert len(engine.requests) == 1 and engine.requests[0].request_id in engine.aborted
+
+
 def test_max_tokens_beyond_the_context_is_lowered_to_the_room_left(client: Client) -> None:
     """As candle-vllm and llama.cpp do (their clients send fixed budgets such as 16,384): the
     completion gets what the prompt leaves and ends with "length"."""

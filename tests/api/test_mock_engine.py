@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from jax_llm_runtime.runtime.engine.mock import BOS_ID, EOS_ID, MockEngine, MockTokenizer
-from jax_llm_runtime.runtime.engine.request import FinishReason, GenerationDelta, SamplingParams
+from jax_llm_runtime.runtime.engine.request import (
+    ContextLengthError,
+    FinishReason,
+    GenerationDelta,
+    SamplingParams,
+)
 
 
 async def run(engine: MockEngine, prompt: str, **sampling: object) -> list[GenerationDelta]:
@@ -53,10 +58,14 @@ async def test_max_tokens_stop_ids_and_ignore_eos(engine: MockEngine) -> None:
     assert "".join(d.text for d in repeated) == "babab"
 
 
-async def test_context_limit_ends_with_length() -> None:
+async def test_context_limit_is_the_engine_rule() -> None:
+    """A budget the context cannot hold is refused as the engine refuses it; one that fills the
+    context ends with "length"."""
     engine = MockEngine(max_model_len=6, token_delay_s=0, reply="xxxxxxxx")
     engine.start()
-    deltas = await run(engine, "abc", max_tokens=100)  # 4 prompt tokens leave 2
+    with pytest.raises(ContextLengthError):
+        await run(engine, "abc", max_tokens=3)  # 4 prompt tokens leave 2
+    deltas = await run(engine, "abc", max_tokens=2)
     assert len(deltas) == 2 and deltas[-1].finish_reason is FinishReason.LENGTH
 
 

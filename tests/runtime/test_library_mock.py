@@ -17,6 +17,7 @@ import pytest
 
 from jax_llm_runtime.runtime import GenerationError, InferenceEngine
 from jax_llm_runtime.runtime.engine.mock import EMBED_DIM, EOS_ID, MockEngine
+from jax_llm_runtime.runtime.engine.request import ContextLengthError
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_tokens_and_embeddings(engine: InferenceEngine) -> None:
 def test_errors_reach_the_caller(engine: InferenceEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
         engine.generate("")
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ContextLengthError, match="maximum context length is 256 tokens"):
         engine.generate("x" * 300)
     with pytest.raises(TypeError, match="max_new_tokens"):
         engine.generate("x", max_new_tokens=3)
@@ -152,14 +153,14 @@ def test_engine_shutdown_mid_stream_is_a_generation_error(mock: MockEngine) -> N
 
 
 def test_ctrl_c_while_waiting_aborts_the_request(mock: MockEngine) -> None:
-    mock.replies.append("y" * 500)
+    mock.replies.append("y" * 200)
     mock.token_delay_s = 0.01
     with InferenceEngine.from_engine(mock) as engine:
         # A real SIGINT, as Ctrl+C sends: it wakes the main thread blocked on the result.
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         with pytest.raises(KeyboardInterrupt):
-            engine.generate("hi", max_tokens=500)
+            engine.generate("hi", max_tokens=200)
         timer.join()
         # The abort was posted before the interrupt reached the caller.
         assert mock.aborted == [mock.requests[-1].request_id]
