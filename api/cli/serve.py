@@ -207,6 +207,11 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
         f"(default: ${MODELS_CONFIG_ENV}, else ${CANDLE_VLLM_MODELS_CONFIG_ENV}, else the one "
         "model of --model-id)",
     )
+    _add_weight_flags(group)
+
+
+def _add_weight_flags(group: argparse._ArgumentGroup) -> None:
+    """Where the weights are (candle-vllm's names), their dtype and the names served."""
     group.add_argument(
         "--weight-path",
         "--w",

@@ -325,6 +325,42 @@ def _launch(
     )(*inputs)
 
 
+def _kernel_inputs(
+    q: jax.Array,
+    positions: jax.Array,
+    page_indices: jax.Array,
+    kv_lens: jax.Array,
+    scalars: tuple[object, object, object, object],  # layer, sliding_window, k_scale, v_scale
+    caches: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+    plan: _Plan,
+) -> tuple[jax.Array, ...]:
+    """The kernel's operands in ``_attention_kernel``'s order: (layer, window), the two scales,
+    KV lengths, padded page table, row positions, query rows, the caches (and row scales)."""
+    layer, sliding_window, k_scale, v_scale = scalars
+    k_cache, v_cache, k_scales, v_scales = caches
+    num_layers, num_pages = k_cache.shape[:2]
+    q_rows, row_positions = _to_rows(q, positions, k_cache.shape[3], plan)
+    # Clipped so that a stale index in an unused slot cannot address memory outside the cache.
+    pages = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
+    pages = jnp.pad(pages, ((0, 0), (0, plan.padded_pages - page_indices.shape[1])))
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
+    inputs = (
+        jnp.stack([layer, window]),
+        scales,
+        kv_lens.astype(jnp.int32),
+        pages,
+        row_positions,
+        q_rows,
+        k_cache,
+        v_cache,
+    )
+    if k_scales is not None:
+        inputs += (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
+    return inputs
+
+
 def paged_attention(
     q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
@@ -371,7 +407,7 @@ def paged_attention(
         k_scales,
         v_scales,
     )
-    num_layers, num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    page_size, head_dim = k_cache.shape[2], k_cache.shape[4]
     if not interpret and not tuning.is_power_of_two(head_dim):
         raise ValueError(
             f"the compiled kernel needs a power-of-two head_dim (Triton blocks), got {head_dim}; "
@@ -381,13 +417,6 @@ def paged_attention(
         block_rows=block_rows, block_k=block_k, num_warps=num_warps, num_stages=num_stages
     )
     plan = _plan(q.shape, k_cache.shape, page_indices.shape[1], num_splits, overrides)
-    q_rows, row_positions = _to_rows(q, positions, num_kv_heads, plan)
-    # Clipped so that a stale index in an unused slot cannot address memory outside the cache.
-    pages = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
-    pages = jnp.pad(pages, ((0, 0), (0, plan.padded_pages - page_indices.shape[1])))
-    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     kernel_body = functools.partial(
         _attention_kernel,
         scale=float(scale),
@@ -399,18 +428,9 @@ def paged_attention(
         max_keys=plan.max_keys,
         row_scales=k_scales is not None,
     )
-    inputs = (
-        jnp.stack([layer, window]),
-        scales,
-        kv_lens.astype(jnp.int32),
-        pages,
-        row_positions,
-        q_rows,
-        k_cache,
-        v_cache,
-    )
-    if k_scales is not None:
-        inputs += (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
+    scalars = (layer, sliding_window, k_scale, v_scale)
+    caches = (k_cache, v_cache, k_scales, v_scales)
+    inputs = _kernel_inputs(q, positions, page_indices, kv_lens, scalars, caches, plan)
     split = num_splits > 1
     outs = _launch(kernel_body, plan, jnp.float32 if split else q.dtype, inputs, interpret)
     out = _combine_splits(outs[0], outs[1]) if split else outs[0][0]
