@@ -12,6 +12,10 @@
 3. ``ToolCallPieces`` runs the reply's text through the parser as it streams: content goes out
    without markup, each call as OpenAI's ``delta.tool_calls`` items (index, id and name first,
    then argument fragments). A reply with calls finishes with ``tool_calls``.
+4. A call that repeats one the reply already made (same name, same arguments) ends the reply: it
+   is never sent, the sequence is aborted (as a stop string aborts one), and the reply finishes
+   with ``tool_calls`` (``api.tool_calling.repeats``). Small models otherwise repeat a call until
+   ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from jax_llm_runtime.api.generation.stream import TextPiece
 from jax_llm_runtime.api.protocol.errors import bad_request
 from jax_llm_runtime.api.tool_calling.parsers import (
     PARSERS,
+    StreamEvent,
     ToolCallDelta,
     ToolParser,
     parser_for_template,
 )
+from jax_llm_runtime.api.tool_calling.repeats import RepeatGuard
 from jax_llm_runtime.runtime.engine.grammar import GrammarError, lark_grammar
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
@@ -217,26 +223,37 @@ class ToolCallPieces:
 
     async def pieces(self) -> AsyncIterator[TextPiece]:
         stream = self._parser.stream()
+        guard = RepeatGuard()
         called = False
         logprobs: tuple[TokenLogprobs, ...] = ()
-        async for piece in self._inner.pieces():
+        inner = self._inner.pieces()
+        async for piece in inner:
             events = stream.feed(piece.text)
             if piece.finish_reason is not None:
                 events += stream.finish()
-            text = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
-            if self._forced:
-                text = ""
-            calls = _merged([e for e in events if isinstance(e, ToolCallDelta)])
+            events = guard.filter(events, stream.call_open())
+            text, calls = self._split(events)
             called = called or bool(calls)
             reason = piece.finish_reason
-            if reason == "stop" and called:
+            if guard.repeated or (reason == "stop" and called):
                 reason = "tool_calls"
             logprobs += piece.logprobs
+            if guard.repeated and piece.finish_reason is None:
+                await inner.aclose()
+                await self._inner.aclose()  # aborts the sequence: its pages are freed at once
             if text or calls or piece.reasoning or reason is not None:
                 yield replace(
                     piece, text=text, finish_reason=reason, tool_calls=calls, logprobs=logprobs
                 )
                 logprobs = ()
+            if guard.repeated:
+                return
+
+    def _split(self, events: list[StreamEvent]) -> tuple[str, tuple[ToolCallDelta, ...]]:
+        """The content to send (none when the call is forced) and the call deltas, merged."""
+        text = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
+        calls = _merged([e for e in events if isinstance(e, ToolCallDelta)])
+        return ("" if self._forced else text), calls
 
     async def collect(self) -> TextPiece:
         """The whole reply: content, reasoning, the tool calls reassembled (as OpenAI's

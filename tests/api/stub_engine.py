@@ -2,7 +2,7 @@
 
 There is no model and nothing to compile, so tests of admission, draining and engine death run
 the engine's own code paths in milliseconds. Every step samples the same byte token for every
-sequence, so a request runs until ``max_tokens``.
+sequence, so a request runs until ``max_tokens``; ``ScriptedRunner`` samples a scripted reply.
 """
 
 from __future__ import annotations
@@ -75,6 +75,31 @@ class StubRunner:
         self.batch_sizes.append(len(batch.items))
         self.seen.update(item.seq.request_id for item in batch.items)
         return StepResult([[TOKEN] * batch.num_steps for _ in batch.items])
+
+
+class ScriptedRunner(StubRunner):
+    """Samples the bytes of ``script`` in order, then EOS, or with ``loop`` the script again from
+    its start until ``max_tokens`` (a model that repeats itself). ``lengths`` records each
+    request's output length after the last step that ran it: how far the engine generated."""
+
+    def __init__(self, step_s: float, script: str, loop: bool = False) -> None:
+        super().__init__(step_s)
+        self.script = list(script.encode())
+        self.loop = loop
+        self.lengths: dict[str, int] = {}
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        result = super().run(batch)
+        for row, item in enumerate(batch.items):
+            start = len(item.seq.output_ids)
+            result.token_ids[row] = [self._token(start + k) for k in range(batch.num_steps)]
+            self.lengths[item.seq.request_id] = start + batch.num_steps
+        return result
+
+    def _token(self, position: int) -> int:
+        if self.loop:
+            return self.script[position % len(self.script)]
+        return self.script[position] if position < len(self.script) else EOS_ID
 
 
 def stub_engine(
