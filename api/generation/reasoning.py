@@ -139,6 +139,10 @@ class ReasoningPieces:
         """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
         await self._generation.aclose()
 
+    async def finish(self, reason: str) -> None:
+        """End the reply here with ``reason`` (``Generation.finish``)."""
+        await self._generation.finish(reason)
+
     async def pieces(self) -> AsyncIterator[TextPiece]:
         """Like ``Generation.pieces``, each piece split into reasoning and content."""
         parser = self._parser

@@ -97,9 +97,12 @@ class Generation:
         self._timing = timing or RequestTiming()
         self._metrics = metrics
         self._model_name = model_name  # the metrics' label
+        self._last = first  # the latest delta read
+        self._counted = False  # recorded as finished in the metrics
 
     def _finished(self, delta: GenerationDelta, finish_reason: str) -> Usage:
         """The final usage; records the request's latencies and tokens in the metrics."""
+        self._counted = True
         self._timing.mark_finished()
         if self._metrics is not None:
             self._metrics.observe_finished(
@@ -115,6 +118,13 @@ class Generation:
     async def aclose(self) -> None:
         """Close the engine stream (aborting the sequence if it is unfinished). Idempotent."""
         await _close(self._deltas)
+
+    async def finish(self, reason: str) -> None:
+        """End the reply here, as the layer above decided (a tool call repeated): the sequence
+        is aborted, and the request counts as finished with ``reason`` and the tokens so far."""
+        if not self._counted:
+            self._finished(self._last, reason)
+        await self.aclose()
 
     async def pieces(self) -> AsyncIterator[TextPiece]:
         """Yield text as it is generated; the last piece carries the finish reason.
@@ -137,7 +147,7 @@ class Generation:
                 if delta.text:
                     usage = _usage(delta, self._timing)
                     yield TextPiece(delta.text, None, usage, logprobs=delta.logprobs)
-                delta = await self._next()
+                delta = self._last = await self._next()
         finally:
             await self.aclose()
 

@@ -204,6 +204,8 @@ class _Pieces(Protocol):
 
     async def aclose(self) -> None: ...
 
+    async def finish(self, reason: str) -> None: ...
+
 
 class ToolCallPieces:
     """A choice's pieces with its content read by a tool parser (see the module docstring).
@@ -240,7 +242,8 @@ class ToolCallPieces:
             logprobs += piece.logprobs
             if guard.repeated and piece.finish_reason is None:
                 await inner.aclose()
-                await self._inner.aclose()  # aborts the sequence: its pages are freed at once
+                # aborts the sequence (its pages are freed at once); counted as finished
+                await self._inner.finish("tool_calls")
             if text or calls or piece.reasoning or reason is not None:
                 yield replace(
                     piece, text=text, finish_reason=reason, tool_calls=calls, logprobs=logprobs

@@ -46,8 +46,8 @@ def weather(city: str) -> dict[str, str]:
 
 
 async def chat(script: str, stream: bool, loop: bool = False, max_tokens: int = 400) -> Any:
-    """The reply to ASK (content, calls, finish reason, usage), the scripted runner and the
-    engine, once the request's abort (if any) has reached the engine's loop."""
+    """The reply to ASK (content, calls, finish reason, usage), the scripted runner, the engine
+    and the server's metrics, once the request's abort (if any) has reached the engine's loop."""
     runner = ScriptedRunner(0.001, script, loop)
     engine, _ = stub_engine(max_model_len=4096, num_pages=512, runner=runner)
     body: dict[str, Any] = {"messages": ASK, "tools": [WEATHER], "max_tokens": max_tokens}
@@ -61,7 +61,8 @@ async def chat(script: str, stream: bool, loop: bool = False, max_tokens: int = 
         async with asyncio.timeout(5):
             while engine.num_unfinished():
                 await asyncio.sleep(0.005)
-    return reply, runner, engine
+        metrics = (await client.get("/metrics")).text
+    return reply, runner, engine, metrics
 
 
 def streamed_reply(body: str) -> dict[str, Any]:
@@ -91,11 +92,12 @@ def functions(reply: dict[str, Any]) -> list[dict[str, str]]:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_repeated_call_ends_the_reply(stream: bool) -> None:
     script = "Let me check." + call("Paris") + call("Paris") + "It is sunny."
-    reply, _, engine = await chat(script, stream)
+    reply, _, engine, metrics = await chat(script, stream)
     choice = reply["choices"][0]
     assert functions(reply) == [weather("Paris")]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."
+    assert 'success_total{finish_reason="tool_calls",model_name="stub-model"} 1.0' in metrics
     allocator = engine.scheduler.allocator
     assert allocator.num_free == allocator.num_pages
 
@@ -104,7 +106,7 @@ async def test_a_repeated_call_ends_the_reply(stream: bool) -> None:
 async def test_distinct_calls_all_come_through(stream: bool) -> None:
     # "Paris, TX" shares its start with "Paris": it is held, then sent once it differs.
     script = call("Paris") + call("Paris, TX") + call("Oslo") + call("Par")
-    reply, _, _ = await chat(script, stream)
+    reply, *_ = await chat(script, stream)
     cities = ["Paris", "Paris, TX", "Oslo", "Par"]
     assert functions(reply) == [weather(city) for city in cities]
     assert reply["choices"][0]["finish_reason"] == "tool_calls"
@@ -113,7 +115,7 @@ async def test_distinct_calls_all_come_through(stream: bool) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_model_that_repeats_a_call_is_stopped_and_its_pages_freed(stream: bool) -> None:
     max_tokens = 3000
-    reply, runner, engine = await chat(call("Paris"), stream, loop=True, max_tokens=max_tokens)
+    reply, runner, engine, _ = await chat(call("Paris"), stream, loop=True, max_tokens=max_tokens)
     assert functions(reply) == [weather("Paris")]
     assert reply["choices"][0]["finish_reason"] == "tool_calls"
     # Generation stopped at the repeat, which is known at its closing brace (a few steps pass
@@ -145,6 +147,10 @@ class ScriptedPieces:
 
     async def aclose(self) -> None:
         self.closed = True
+
+    async def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        await self.aclose()
 
 
 FORCED = json.dumps([{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {"a": 2}}])

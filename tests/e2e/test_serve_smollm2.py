@@ -158,6 +158,19 @@ def test_a_forced_tool_call_is_a_valid_call(client: openai.OpenAI, tool_choice, 
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_a_forced_call_the_model_repeats_ends_the_reply(client: openai.OpenAI) -> None:
+    """With room for many calls, this model writes the same call again and again: the reply
+    carries it once and ends with "tool_calls" long before the budget."""
+    reply = ask(
+        client, WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", max_tokens=400
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(calls) == len(set(calls)) >= 1
+    assert reply.usage.completion_tokens < 100
+
+
 @pytest.mark.parametrize("max_tokens", [6, 12])
 def test_a_forced_call_cut_off_by_max_tokens_leaks_no_markup(
     client: openai.OpenAI, max_tokens: int
