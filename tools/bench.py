@@ -54,12 +54,19 @@ Recipes (add `--peer-url http://127.0.0.1:2001/v1` to compare in the same run):
   that `in_tok` is about 512 (with the chat endpoint the template adds a few dozen tokens).
 - Single-stream decode: `--concurrency 1 --num-requests 4 --prompts random --input-len 32
   --output-len 256 --exact-output`; read TPOT and ITL (tok/s includes the prefill).
+- Burst: `--load burst --prompts random --input-len 256 --output-len 16` sends 32 requests at
+  once (`--batch N` for another count); read the TTFT columns.
+- Interference: `--load interference --prompts random --input-len 64 --output-len 128
+  --exact-output` runs 16 streams for 60 s while a 2,000-token prompt arrives every 5 s
+  (`--streams`, `--duration`, `--long-every`, `--long-len`); read the ITL of each phase
+  (tools/bench_interference.py says how gaps are counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -77,6 +84,7 @@ _TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TOOLS_DIR not in sys.path:
     sys.path.insert(0, _TOOLS_DIR)
 
+import bench_interference  # noqa: E402
 from bench_report import (  # noqa: E402
     LevelResult,
     RequestResult,
@@ -135,6 +143,10 @@ recipes (workload and metrics are described at the top of tools/bench.py):
   single-stream decode:
     --concurrency 1 --num-requests 4 --prompts random --input-len 32 --output-len 256 \\
     --exact-output
+  burst of 32 prompts at once:
+    --load burst --prompts random --input-len 256 --output-len 16
+  16 streams while a 2,000-token prompt arrives every 5 s:
+    --load interference --prompts random --input-len 64 --output-len 128 --exact-output
 
 peer server (llama.cpp on the same GGUF):
   tools/build_llama_server.sh            # once; leaves third_party/llama.cpp/bin/llama-server
@@ -335,6 +347,8 @@ def num_requests_for(concurrency: int, requested: int | None) -> int:
 
 
 COMPILE_WAIT_S = 900.0
+LOADS = ("closed", "burst", "interference")
+BURST_DEFAULT = 32
 
 
 async def wait_for_background_compile(client: httpx.AsyncClient, target: Target) -> None:
@@ -389,6 +403,45 @@ async def bench_server(
                 await run_level(client, target, model, workload, conc, n, f"{tag}-c{conc}")
             )
     return ServerResult(target.name, target.base_url, model, levels)
+
+
+async def interference_server(
+    target: Target, workload: Workload, args: argparse.Namespace
+) -> bench_interference.InterferenceResult:
+    """Warm-up (one request of each prompt length), then the interference load."""
+    conns = args.streams + 8
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    long_load = dataclasses.replace(workload, prompts="random", input_len=args.long_len)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = target.model or await first_model_id(client, target)
+        await wait_for_background_compile(client, target)
+        path = ENDPOINT_PATHS[workload.endpoint]
+
+        def body_for(tag: str, index: int, long: bool) -> dict:
+            load = long_load if long else workload
+            return load.body(model, load.prompt(tag, index), 1 if long else workload.output_len)
+
+        async def send(body: dict) -> RequestResult:
+            return await stream_request(client, target, body, path)
+
+        print(f"[{target.name}] {target.base_url} model={model}: warm-up", flush=True)
+        tag = secrets.token_hex(4)
+        for long in (False, True):
+            warm = await send(body_for(f"{tag}-warmup", int(long), long))
+            if warm.error is not None:
+                raise SystemExit(
+                    f"error: warm-up request to {target.base_url} failed: {warm.error}"
+                )
+        print(
+            f"[{target.name}] interference: {args.streams} streams, a {args.long_len}-token "
+            f"prompt every {args.long_every:g}s, {args.duration:g}s",
+            flush=True,
+        )
+        background, longs, wall = await bench_interference.run(
+            send, body_for, args.streams, args.duration, args.long_every
+        )
+    return bench_interference.summarize(target.name, background, longs, wall)
 
 
 def _int_list(text: str) -> list[int]:
@@ -459,15 +512,58 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also send ignore_eos and min_tokens so every request makes --output-len tokens",
     )
+    _add_load_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", dest="json_path", help="write the results to this JSON file")
     p.add_argument("--plot", help="write tok/s and p50 TTFT against concurrency to this PNG")
     return p
 
 
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--load",
+        choices=LOADS,
+        default="closed",
+        help="closed: closed-loop levels of --concurrency (default); burst: --batch requests "
+        "(default 32) at once; interference: --streams background streams while long prompts "
+        "arrive (tools/bench_interference.py)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=16, help="interference: background streams (default 16)"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="interference: seconds of load; streams start no request after it (default 60)",
+    )
+    p.add_argument(
+        "--long-every",
+        type=float,
+        default=5.0,
+        help="interference: a long prompt arrives every this many seconds (default 5)",
+    )
+    p.add_argument(
+        "--long-len",
+        type=int,
+        default=2000,
+        help="interference: about this many tokens per long prompt (default 2000)",
+    )
+
+
+def _check_load(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.load == "burst" and args.batch is None:
+        args.batch = BURST_DEFAULT
+    if args.load == "interference" and min(args.streams, args.long_len) < 1:
+        p.error("--streams and --long-len must be positive")
+    if args.load == "interference" and min(args.duration, args.long_every) <= 0:
+        p.error("--duration and --long-every must be positive")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _build_parser()
     args = p.parse_args(argv)
+    _check_load(p, args)
     if args.batch is not None:
         if args.batch < 1:
             p.error("--batch must be positive")
@@ -536,10 +632,30 @@ def _json_config(args: argparse.Namespace) -> dict:
     }
 
 
+def _main_interference(args: argparse.Namespace, workload: Workload) -> int:
+    async def run_all() -> list[bench_interference.InterferenceResult]:
+        return [await interference_server(t, workload, args) for t in _targets(args)]
+
+    results = asyncio.run(run_all())
+    bench_interference.print_report(results)
+    if args.json_path:
+        config = {**_json_config(args), "load": "interference", "streams": args.streams}
+        config.update(duration_s=args.duration, long_every_s=args.long_every)
+        config["long_len"] = args.long_len
+        with open(args.json_path, "w") as f:
+            json.dump(
+                {"config": config, "servers": bench_interference.as_json(results)}, f, indent=2
+            )
+        print(f"wrote {args.json_path}")
+    return 1 if any(r.background_failed or r.long_failed for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns 1 if any measured request failed, else 0."""
     args = parse_args(argv)
     workload = _workload(args)
+    if args.load == "interference":
+        return _main_interference(args, workload)
     servers = asyncio.run(_run(args, workload))
     ratios = compute_ratios(servers[0], servers[1]) if len(servers) == 2 else None
     print_report(servers, ratios, workload.output_len, workload.exact_output)

@@ -358,3 +358,59 @@ def test_candle_vllm_benchmark_py_flags():
     assert (args.concurrency, args.num_requests, args.output_len) == ([16], 16, 64)
     with pytest.raises(SystemExit):
         bench.parse_args(["--batch", "0"])
+
+
+interference = load_tool("bench_interference.py")
+
+
+def test_itl_gaps_are_counted_in_the_phase_they_overlap():
+    """A gap overlapping a long prompt's wait for its first token is a prefill gap."""
+    R, Timed = report.RequestResult, interference.Timed
+    background = [
+        Timed(10.0, R(chunk_times_s=[0.1, 0.2, 1.2, 1.3], e2e_s=1.3, output_tokens=4)),
+        Timed(11.0, R(chunk_times_s=[0.5, 0.6], e2e_s=0.6, output_tokens=2)),
+        Timed(10.0, R(chunk_times_s=[0.1, 5.0], e2e_s=5.0, error="HTTP 500: boom")),
+    ]
+    longs = [Timed(10.5, R(chunk_times_s=[0.4], e2e_s=0.4, output_tokens=1))]  # busy 10.5-10.9
+    assert interference.prefill_windows(longs) == [(10.5, pytest.approx(10.9))]
+    gaps = interference.itl_by_phase(background, interference.prefill_windows(longs))
+    assert gaps["prefill"] == pytest.approx([1.0])  # 10.2 -> 11.2
+    assert sorted(gaps["calm"]) == pytest.approx([0.1, 0.1, 0.1])
+    assert len(gaps["all"]) == 4
+    result = interference.summarize("ours", background, longs, wall_s=2.0)
+    assert (result.background_requests, result.background_failed) == (3, 1)
+    assert result.background_tok_per_s == pytest.approx(3.0)
+    assert result.long_ttft_p50_s == pytest.approx(0.4)
+    assert result.itl["all"].max_s == pytest.approx(1.0)
+    assert result.p99_over_p50 == pytest.approx(result.itl["all"].p99_s / 0.1)
+
+
+def test_interference_load_against_two_servers(usage_server, timings_server, tmp_path, capsys):
+    out = tmp_path / "interference.json"
+    argv = ["--base-url", usage_server.base_url, "--peer-url", timings_server.base_url]
+    argv += ["--load", "interference", "--streams", "2", "--duration", "1", "--long-every", "0.3"]
+    argv += ["--long-len", "50", "--prompts", "random", "--input-len", "20"]
+    argv += ["--output-len", "30", "--exact-output", "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["load"] == "interference" and data["config"]["long_len"] == 50
+    for server in (usage_server, timings_server):
+        longs = [b for b in server.bodies if "-long-" in _prompt_text(b)]
+        assert len(longs) == 3  # at 0.3, 0.6 and 0.9 s of a 1 s load
+        assert all(b["max_tokens"] == 1 for b in longs)
+        assert all(len(_prompt_text(b).split()) == 50 - bench.TAG_TOKENS + 1 for b in longs)
+    for result in data["servers"]:
+        itl = result["itl"]
+        assert itl["all"]["samples"] == itl["calm"]["samples"] + itl["prefill"]["samples"] > 0
+        assert result["background_requests"] >= 2 and result["long_prompts"] == 3
+        assert result["background_failed"] == result["long_failed"] == 0
+    printed = capsys.readouterr().out
+    assert "by phase" in printed and "ours/peer: ITL p99" in printed
+
+
+def test_burst_load_sends_32_requests_at_once():
+    args = bench.parse_args(["--load", "burst", "--prompts", "random", "--input-len", "256"])
+    assert (args.concurrency, args.num_requests) == ([32], 32)
+    assert bench.parse_args(["--load", "burst", "--batch", "8"]).concurrency == [8]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--load", "interference", "--long-every", "0"])
