@@ -9,8 +9,9 @@ embedding scale) and a table of checkpoint-name rules; the architecture files (`
 ``gemma.py``, ...) hold only those translations.
 
 Each weight is declared once, by the module of its layer kind (``models.layers``: ``Embed``,
-``Norm``, ``Linear``/``QuantizedLinear``, ``Attention`` or ``MLA``, ``MLP`` or ``MoE``), with
-its shape, dtype, logical sharding axes and checkpoint field (``models.layers.params``).
+``Norm``, ``Linear``/``QuantizedLinear``, ``Attention`` or ``MLA``, ``MLP`` or ``MoE`` with its
+``ExpertLinear`` stacks), with its shape, dtype, logical sharding axes and checkpoint field
+(``models.layers.params``).
 Layers are stacked: a ``Segment`` declares one ``DecoderLayer`` whose parameters lead with the
 segment's layer axis, and runs it under ``lax.scan`` (``models.layers.decoder_layer``). A model
 whose layers are not all alike (DeepSeek's dense layers before its MoE layers) has several
@@ -149,7 +150,7 @@ class DecoderConfig:
 QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
 # The weights kept packed when a checkpoint is quantized (or ``--isq`` quantizes): the layers'
 # projections and the shared experts', which are ``QuantizedLinear``s then, and the routed
-# expert stacks (``models.layers.moe`` gathers or dequantizes them per layer). Embeddings, the
+# expert stacks, ``QuantizedExpertLinear``s (gathered or dequantized per layer). Embeddings, the
 # LM head (too wide: see models.layers.linear), norms, biases, routers and MLA's kv_b stay in the
 # run dtype; a quantized checkpoint's tensors for them are dequantized at load. ``--isq int8``
 # covers only the first set.

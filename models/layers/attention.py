@@ -1,15 +1,16 @@
 """Self-attention over the paged KV cache (project, rotate, write K/V, attend, project out),
 and without it (plain causal attention over the given tokens, for embeddings and scoring).
 
-``Attention`` declares a layer's weights; the functions take them by field name: ``wq``,
-``wk``, ``wv``, ``wo`` always; ``bq``, ``bk``, ``bv`` when ``qkv_bias`` (Qwen2, Phi-2, StableLM,
-GLM-4); ``bo`` when ``o_bias`` (Phi-2); ``q_norm``, ``k_norm`` (and ``q_norm_b``, ``k_norm_b``
-for LayerNorm) when ``qk_norm`` is set (Qwen3, Gemma-3, Phi-2, StableLM 2).
+``Attention`` declares a layer's weights, and the functions call its modules: the projections
+``wq``, ``wk``, ``wv``, ``wo`` always, with biases ``bq``, ``bk``, ``bv`` when ``qkv_bias``
+(Qwen2, Phi-2, StableLM, GLM-4) and ``bo`` when ``o_bias`` (Phi-2); the norms ``q_norm``,
+``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set (Qwen3,
+Gemma-3, Phi-2, StableLM 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -17,8 +18,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
-from jax_llm_runtime.models.layers.linear import linear, projection
-from jax_llm_runtime.models.layers.norms import Norm, NormConfig, apply_norm
+from jax_llm_runtime.models.layers.linear import projection
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     HEAD_DIM,
@@ -98,22 +99,19 @@ def layer_window(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
 
 
 def project_qkv(
-    cfg: AttentionConfig,
+    layer: Attention,  # one layer's attention (inside the layer scan)
     x: jax.Array,  # [num_seqs, q_len, hidden]
-    lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
     positions: jax.Array,  # [num_seqs, q_len] int32
     meta: LayerMeta,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [num_seqs, q_len, num_heads, head_dim] and k, v [num_seqs, q_len, num_kv_heads, head_dim],
     with q and k normed (when configured), rotated, and q position-scaled (when configured)."""
-    num_seqs, q_len, _ = x.shape
-    bq, bk, bv = (lw["bq"], lw["bk"], lw["bv"]) if cfg.qkv_bias else (None, None, None)
-    q = linear(x, lw["wq"], bq).reshape(num_seqs, q_len, cfg.num_heads, cfg.head_dim)
-    k = linear(x, lw["wk"], bk).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, lw["wv"], bv).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm is not None:
-        q = apply_norm(cfg.qk_norm, q, lw["q_norm"], lw.get("q_norm_b"))
-        k = apply_norm(cfg.qk_norm, k, lw["k_norm"], lw.get("k_norm_b"))
+    cfg, (num_seqs, q_len, _) = layer.cfg, x.shape
+    q = layer.wq(x).reshape(num_seqs, q_len, cfg.num_heads, cfg.head_dim)
+    k = layer.wk(x).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
+    v = layer.wv(x).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = _rotate(cfg, q, k, positions, meta)
     if cfg.position_query_scale is not None:
         beta, length = cfg.position_query_scale
@@ -140,19 +138,16 @@ def _rotate(
 
 
 def output_projection(
-    cfg: AttentionConfig,
+    layer: Attention,
     out: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
-    lw: Mapping[str, jax.Array],
 ) -> jax.Array:  # [num_seqs, q_len, hidden]
     num_seqs, q_len = out.shape[:2]
-    flat = out.reshape(num_seqs, q_len, cfg.num_heads * cfg.head_dim)
-    return linear(flat, lw["wo"], lw["bo"] if cfg.o_bias else None)
+    return layer.wo(out.reshape(num_seqs, q_len, layer.cfg.num_heads * layer.cfg.head_dim))
 
 
 def paged_self_attention(
-    cfg: AttentionConfig,
+    layer: Attention,  # one layer's attention (inside the layer scan)
     x: jax.Array,  # [num_seqs, q_len, hidden]
-    lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
     cache: KVCache,
     meta: LayerMeta,
     batch: StepBatch,
@@ -163,7 +158,8 @@ def paged_self_attention(
     ``native`` (``DecoderConfig.native_kernels``): native CPU kernels may run where this step runs;
     the op picks the implementation (``pallas_kernels.paged_attention.ops.implementation``).
     """
-    q, k, v = project_qkv(cfg, x, lw, batch.positions, meta)
+    cfg = layer.cfg
+    q, k, v = project_qkv(layer, x, batch.positions, meta)
     cache = write_cache(cache, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices)
     out = attention(
         q,
@@ -180,13 +176,12 @@ def paged_self_attention(
         v_scales=cache.v_scales,
         native=native,
     )
-    return output_projection(cfg, out, lw), cache
+    return output_projection(layer, out), cache
 
 
 def causal_self_attention(
-    cfg: AttentionConfig,
+    layer: Attention,  # one layer's attention (inside the layer scan)
     x: jax.Array,  # [num_seqs, seq_len, hidden]
-    lw: Mapping[str, jax.Array],  # one layer's attention weights (see the module docstring)
     positions: jax.Array,  # [num_seqs, seq_len] int32
     lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
     meta: LayerMeta,
@@ -197,9 +192,9 @@ def causal_self_attention(
     Padding queries (index >= length) still see key 0, so they stay finite; their outputs are
     never read.
     """
-    num_seqs, seq_len, _ = x.shape
+    cfg, (num_seqs, seq_len, _) = layer.cfg, x.shape
     group = cfg.num_heads // cfg.num_kv_heads
-    q, k, v = project_qkv(cfg, x, lw, positions, meta)
+    q, k, v = project_qkv(layer, x, positions, meta)
     if cfg.round_kv_to is not None:
         k = k.astype(cfg.round_kv_to).astype(k.dtype)
         v = v.astype(cfg.round_kv_to).astype(v.dtype)
@@ -219,7 +214,7 @@ def causal_self_attention(
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
-    return output_projection(cfg, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim), lw)
+    return output_projection(layer, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim))
 
 
 class Attention(Block):
@@ -270,7 +265,7 @@ class Attention(Block):
         native: bool = False,
     ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
         """``paged_self_attention`` with this layer's weights."""
-        return paged_self_attention(self.cfg, x, self.fields(), cache, meta, batch, native)
+        return paged_self_attention(self, x, cache, meta, batch, native)
 
     def causal(
         self,
@@ -280,4 +275,4 @@ class Attention(Block):
         meta: LayerMeta,
     ) -> jax.Array:  # [num_seqs, seq_len, hidden]
         """``causal_self_attention`` with this layer's weights."""
-        return causal_self_attention(self.cfg, x, self.fields(), positions, lengths, meta)
+        return causal_self_attention(self, x, positions, lengths, meta)

@@ -3,7 +3,10 @@
 ``Linear`` is the module that declares a projection's ``[in, out]`` kernel (and bias) with its
 logical axes (``models.layers.params``); ``QuantizedLinear`` is the same declaration for a
 kernel that the checkpoint (or ``--isq``) gives packed, and ``projection`` picks one of the two.
-Both call ``linear``.
+Both call ``linear``. ``ExpertLinear`` and ``QuantizedExpertLinear`` (``expert_projection``
+picks one) declare a stack of routed experts' ``[experts, in, out]`` kernels the same way and
+multiply each row by its own expert's matrix (``models.layers.moe``): ``expert_gathered`` for a
+few rows, ``expert_grouped`` for many.
 
 ``PackedWeight`` (GGUF block types, GPTQ, AWQ) goes to ``pallas_kernels.dequant_matmul``, and so
 does ``PackedLayer``, one layer of a stacked ``PackedWeight`` that the layer scan hands over
@@ -41,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_llm_runtime.models.layers.params import Block, declare, layer_axes
+from jax_llm_runtime.models.layers.expert_offload import HOST_SUFFIX, to_device_memory
+from jax_llm_runtime.models.layers.params import EXPERTS, Block, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.dequant_matmul import (
     PackedLayer,
     PackedWeight,
@@ -130,6 +134,33 @@ def dense(
     return weight.astype(dtype)
 
 
+def expert_gathered(
+    x: jax.Array,  # [num_tokens, in] or [num_tokens, top_k, in]
+    weight: jax.Array | PackedWeight,  # [num_experts, in, out]
+    experts: jax.Array,  # [num_tokens, top_k] int32
+) -> jax.Array:  # [num_tokens, top_k, out] in x's dtype
+    """Each (token, slot) row times its expert's matrix, gathered per row: a batched mat-vec
+    that reads only the chosen experts (a token's one row serves all its slots). A packed stack
+    gathers the chosen experts' codes and scales, then dequantizes them."""
+    w = dense(jax.tree_util.tree_map(lambda t: jnp.take(t, experts, axis=0), weight), x.dtype)
+    spec = "ti,tkio->tko" if x.ndim == 2 else "tki,tkio->tko"
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def expert_grouped(
+    rows: jax.Array,  # [num_rows, in], sorted by expert
+    weight: jax.Array | PackedWeight,  # [num_experts, in, out]
+    group_sizes: jax.Array,  # [num_experts] int32: each expert's count of consecutive rows
+) -> jax.Array:  # [num_rows, out] in rows' dtype
+    """Each row times its expert's matrix as one grouped matmul (``jax.lax.ragged_dot``) over
+    expert-contiguous row blocks. A packed stack is dequantized whole, one layer at a time
+    (inside the layer scan)."""
+    y = jax.lax.ragged_dot(
+        rows, dense(weight, rows.dtype), group_sizes, preferred_element_type=jnp.float32
+    )
+    return y.astype(rows.dtype)
+
+
 class Linear(Block):
     """A projection ``x @ kernel (+ bias)``: kernel ``[*lead, in, out]`` along logical axes
     ``(layers..., in_axis, out_axis)``, bias ``[*lead, out]`` along the output axis."""
@@ -178,3 +209,75 @@ def projection(
     ``Linear``."""
     kind = QuantizedLinear if field in quantized else Linear
     return kind(lead, features, axes, dtype, field, bias)
+
+
+class ExpertLinear(Block):
+    """A stack of routed experts' projections: kernel ``[*lead, experts, in, out]`` along logical
+    axes ``(layers..., EXPERTS, in_axis, out_axis)``, no bias; each row is multiplied by its own
+    expert's matrix. Declared with ``memory_kind="pinned_host"`` (offloaded experts:
+    ``models.layers.expert_offload``), the kernel lives in host memory and every call copies it
+    to device memory first, so a caller that calls it only under a ``lax.cond`` fetches it only
+    when that branch runs."""
+
+    def __init__(
+        self,
+        lead: Sequence[int],
+        experts: int,
+        features: tuple[int, int],  # (in, out)
+        axes: tuple[str, str],  # logical axes of (in, out)
+        dtype: jnp.dtype,
+        field: str,
+        memory_kind: str | None = None,
+    ) -> None:
+        shape, full_axes = (*lead, experts, *features), (*layer_axes(lead), EXPERTS, *axes)
+        on_host = {} if memory_kind is None else {"memory_kind": memory_kind}
+        self.kernel = declare(shape, dtype, full_axes, field, **on_host)
+        self.offloaded = memory_kind is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self.kernel.get_value().shape[-3]
+
+    def _weight(self) -> jax.Array | PackedWeight:  # [num_experts, in, out] in device memory
+        value = self.kernel.get_value()
+        return to_device_memory(value) if self.offloaded else value
+
+    def gathered(
+        self,
+        x: jax.Array,  # [num_tokens, in] or [num_tokens, top_k, in]
+        experts: jax.Array,  # [num_tokens, top_k] int32, indices into this stack
+    ) -> jax.Array:  # [num_tokens, top_k, out]
+        """``expert_gathered`` with this stack (one layer's, inside the layer scan)."""
+        return expert_gathered(x, self._weight(), experts)
+
+    def grouped(
+        self,
+        rows: jax.Array,  # [num_rows, in], sorted by expert
+        group_sizes: jax.Array,  # [num_experts] int32
+    ) -> jax.Array:  # [num_rows, out]
+        """``expert_grouped`` with this stack (one layer's, inside the layer scan)."""
+        return expert_grouped(rows, self._weight(), group_sizes)
+
+
+class QuantizedExpertLinear(ExpertLinear):
+    """An ``ExpertLinear`` whose kernel is packed: a ``PackedWeight`` (GGUF block types, GPTQ,
+    AWQ, ``--isq`` block types) with every array leading with the expert axis. The declaration
+    is the logical ``[experts, in, out]`` stack: every array of the packed value splits along the
+    same axes (``runtime.parallel.sharding``)."""
+
+
+def expert_projection(
+    lead: Sequence[int],
+    experts: int,
+    features: tuple[int, int],
+    axes: tuple[str, str],
+    dtype: jnp.dtype,
+    field: str,
+    quantized: Collection[str] = (),
+    memory_kind: str | None = None,
+) -> ExpertLinear:
+    """A ``QuantizedExpertLinear`` when ``field`` is one of the ``quantized`` fields (an
+    offloaded stack, ``e_gate_host``, when its resident field ``e_gate`` is), else an
+    ``ExpertLinear``."""
+    kind = QuantizedExpertLinear if field.removesuffix(HOST_SUFFIX) in quantized else ExpertLinear
+    return kind(lead, experts, features, axes, dtype, field, memory_kind)

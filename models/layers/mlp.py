@@ -1,14 +1,15 @@
 """Feed-forward blocks: gated (SwiGLU/GeGLU) and plain two-layer MLPs; ``MLP`` declares a
-layer's weights (``w_gate``, ``w_up``, ``w_down``, and ``b_up``, ``b_down`` with biases)."""
+layer's weights (``w_gate``, ``w_up``, ``w_down`` as ``Linear`` modules, and ``b_up``, ``b_down``
+with biases) and calls them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jax_llm_runtime.models.layers.linear import linear, projection
+from jax_llm_runtime.models.layers.linear import projection
 from jax_llm_runtime.models.layers.params import EMBED, FFN, Block
 
 # HF ``hidden_act`` names -> functions. The tanh approximations are distinct from exact GELU.
@@ -27,33 +28,6 @@ def check_activation(name: str) -> str:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported ({', '.join(ACTIVATIONS)} are)")
     return name
-
-
-def gated_mlp(
-    x: jax.Array,  # [..., hidden]
-    gate: jax.Array,  # [hidden, intermediate]
-    up: jax.Array,  # [hidden, intermediate]
-    down: jax.Array,  # [intermediate, hidden]
-    activation: str = "silu",
-) -> jax.Array:  # [..., hidden]
-    """down(act(gate(x)) * up(x)); SwiGLU with silu."""
-    act = ACTIVATIONS[activation]
-    return linear(act(linear(x, gate)) * linear(x, up), down)
-
-
-def dense_mlp(
-    x: jax.Array,  # [..., hidden]
-    lw: Mapping[
-        str, jax.Array
-    ],  # w_up [hidden, inter], w_down [inter, hidden], optional b_up/b_down
-    activation: str,
-    gated: bool,
-) -> jax.Array:  # [..., hidden]
-    """A layer's MLP: gated (``w_gate`` too) or plain fc1 -> act -> fc2 with optional biases."""
-    if gated:
-        return gated_mlp(x, lw["w_gate"], lw["w_up"], lw["w_down"], activation)
-    act = ACTIVATIONS[activation]
-    return linear(act(linear(x, lw["w_up"], lw.get("b_up"))), lw["w_down"], lw.get("b_down"))
 
 
 class MLP(Block):
@@ -80,4 +54,9 @@ class MLP(Block):
         self.w_down = projection(lead, down, row, dtype, "w_down", b_down, quantized)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., hidden] -> [..., hidden]
-        return dense_mlp(x, self.fields(), self.activation, self.gated)
+        """Gated: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu); plain:
+        ``down(act(up(x)))``, with the projections' biases where declared."""
+        act = ACTIVATIONS[self.activation]
+        if self.w_gate is not None:
+            return self.w_down(act(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(act(self.w_up(x)))

@@ -10,12 +10,13 @@ One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and 
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
    (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
 
-``MoE`` declares a layer's weights; the functions take them by field name, matrices stored
-``[in, out]``:
+``MoE`` declares a layer's weights and computes the block; ``moe_mlp`` is the same with the
+weights given by field name. Matrices are stored ``[in, out]``:
 ``router`` [hidden, num_experts], ``router_bias`` [num_experts] (with ``has_router_bias``),
 ``e_gate``/``e_up`` [num_experts, hidden, expert_inter], ``e_down`` [num_experts, expert_inter,
-hidden], and with a shared expert ``s_gate``/``s_up`` [hidden, shared_inter], ``s_down``
-[shared_inter, hidden], ``s_router`` [hidden, 1] (with ``shared_gate``).
+hidden] (``ExpertLinear`` modules), and with a shared expert ``s_gate``/``s_up`` [hidden,
+shared_inter], ``s_down`` [shared_inter, hidden], ``s_router`` [hidden, 1] (with
+``shared_gate``; ``Linear`` modules).
 
 How the experts are computed. Shapes are static under jit, so the token count ``T`` is known at
 trace time and picks one of two mechanisms; both are exact (no capacity limit, no dropped
@@ -50,25 +51,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_llm_runtime.models.layers.expert_offload import (
-    EXPERT_FIELDS,
-    HOST_SUFFIX,
-    ExpertOffload,
-    to_device_memory,
+from jax_llm_runtime.models.layers.expert_offload import HOST_SUFFIX, ExpertOffload
+from jax_llm_runtime.models.layers.linear import (
+    ExpertLinear,
+    Linear,
+    QuantizedWeight,
+    expert_projection,
+    projection,
 )
-from jax_llm_runtime.models.layers.linear import Linear, dense, linear, projection
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     EXPERT_MLP,
-    EXPERTS,
     FFN,
     ROUTER,
     Block,
     declare,
     layer_axes,
+    params,
     shapes,
 )
-from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -202,30 +204,24 @@ def _kept_groups(
 
 def experts_gathered(
     x: jax.Array,  # [num_tokens, hidden]
-    experts: jax.Array,  # [num_tokens, top_k] int32
-    e_gate: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
-    e_up: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
-    e_down: jax.Array | PackedWeight,  # [num_experts, expert_inter, hidden]
+    experts: jax.Array,  # [num_tokens, top_k] int32, indices into the stacks
+    gate: ExpertLinear,  # [num_experts, hidden, expert_inter]
+    up: ExpertLinear,  # [num_experts, hidden, expert_inter]
+    down: ExpertLinear,  # [num_experts, expert_inter, hidden]
     activation: str = "silu",
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Each chosen expert's MLP output per (token, slot), from gathered expert weights."""
     act = _ACTIVATIONS[activation]
-
-    def proj(spec: str, a: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-        # A packed stack gathers the chosen experts' codes and scales, then dequantizes them.
-        w = dense(jax.tree_util.tree_map(lambda t: jnp.take(t, experts, axis=0), w), x.dtype)
-        return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    h = act(proj("th,tkhi->tki", x, e_gate)) * proj("th,tkhi->tki", x, e_up)
-    return proj("tki,tkih->tkh", h, e_down)
+    h = act(gate.gathered(x, experts)) * up.gathered(x, experts)
+    return down.gathered(h, experts)
 
 
 def experts_grouped(
     x: jax.Array,  # [num_tokens, hidden]
-    experts: jax.Array,  # [num_tokens, top_k] int32
-    e_gate: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
-    e_up: jax.Array | PackedWeight,  # [num_experts, hidden, expert_inter]
-    e_down: jax.Array | PackedWeight,  # [num_experts, expert_inter, hidden]
+    experts: jax.Array,  # [num_tokens, top_k] int32, indices into the stacks
+    gate: ExpertLinear,  # [num_experts, hidden, expert_inter]
+    up: ExpertLinear,  # [num_experts, hidden, expert_inter]
+    down: ExpertLinear,  # [num_experts, expert_inter, hidden]
     activation: str = "silu",
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Same contract as ``experts_gathered``, as a grouped matmul over rows sorted by expert."""
@@ -233,17 +229,10 @@ def experts_grouped(
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [num_tokens * top_k]
     order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=e_gate.shape[0]).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=gate.num_experts).astype(jnp.int32)
     rows = x[order // top_k]  # [num_tokens * top_k, hidden], expert-contiguous
-
-    def proj(a: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-        # A packed stack is dequantized whole here, one layer at a time (inside the scan).
-        y = jax.lax.ragged_dot(
-            a, dense(w, x.dtype), group_sizes, preferred_element_type=jnp.float32
-        )
-        return y.astype(x.dtype)
-
-    out = proj(act(proj(rows, e_gate)) * proj(rows, e_up), e_down)
+    h = act(gate.grouped(rows, group_sizes)) * up.grouped(rows, group_sizes)
+    out = down.grouped(h, group_sizes)
     # Undo the sort with a gather rather than a scatter: deterministic on every backend.
     unsorted = out[jnp.argsort(order)]
     return unsorted.reshape(num_tokens, top_k, -1)
@@ -252,69 +241,27 @@ def experts_grouped(
 def moe_mlp(
     cfg: MoEConfig,
     x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
-    lw: Mapping[str, jax.Array],  # one layer's MoE weights (see ``layer_weight_shapes``)
+    lw: Mapping[str, Any],  # one layer's MoE weights by field (see ``layer_weight_shapes``)
     valid: jax.Array | None = None,  # [...] bool, x's leading shape: the tokens that count
 ) -> jax.Array:  # [..., hidden] in x's dtype
-    """The MoE block's output for every token; tokens never interact, so padding rows are
-    computed like any other and are the caller's to ignore. Shape-static and jit/scan friendly.
-    ``valid`` (default: every token) only decides whether offloaded experts are fetched: a
-    padding row routed to one does not fetch it, and its output is then unspecified.
+    """``MoE.__call__`` with one layer's weights given by field name (``filled``).
 
     Raises ValueError at trace time when a weight is missing or has the wrong shape.
     """
-    hidden = x.shape[-1]
-    _check_weights(cfg, hidden, lw)
-    tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
-    bias = lw["router_bias"] if cfg.has_router_bias else None
-    experts, weights = route(cfg, tokens, lw["router"], bias)
-    valid_tokens = None if valid is None else valid.reshape(-1)
-    per_slot = _routed_experts(cfg, tokens, experts, lw, valid_tokens)
-    out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
-    if cfg.shared_intermediate_size:
-        act = _ACTIVATIONS[cfg.activation]
-        shared = linear(
-            act(linear(tokens, lw["s_gate"])) * linear(tokens, lw["s_up"]), lw["s_down"]
-        )
-        shared = shared.astype(jnp.float32)
-        if cfg.shared_gate:
-            shared = shared * jax.nn.sigmoid(linear(tokens, lw["s_router"]).astype(jnp.float32))
-        out = out + shared
-    return out.astype(x.dtype).reshape(x.shape)
+    return filled(cfg, x.shape[-1], lw)(x, valid)
 
 
-def _routed_experts(
-    cfg: MoEConfig,
-    tokens: jax.Array,  # [num_tokens, hidden]
-    experts: jax.Array,  # [num_tokens, top_k] int32
-    lw: Mapping[str, jax.Array],
-    valid: jax.Array | None,  # [num_tokens] bool
-) -> jax.Array:  # [num_tokens, top_k, hidden] in tokens' dtype
-    """Each chosen expert's output, from the resident stack or, fetched on demand, the
-    offloaded one. The mechanism follows the full expert count either way, so offloading
-    changes where weights live, not the arithmetic."""
-    grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
-    compute = partial(experts_grouped if grouped else experts_gathered, activation=cfg.activation)
-    resident = [lw[name] for name in EXPERT_FIELDS]
-    if cfg.offload is None:
-        return compute(tokens, experts, *resident)
-    offloaded, index = cfg.offload.locate(experts, cfg.num_experts)
-
-    def own(mine: jax.Array, stack: Any) -> jax.Array:  # [num_tokens, top_k] int32
-        # Slots of the other stack: past the last group (no rows) when grouped, any valid
-        # index when gathered; their outputs are dropped below.
-        size = stack[0].shape[0]
-        return jnp.where(mine, index, size if grouped else 0)
-
-    here = compute(tokens, own(~offloaded, resident), *resident)
-    host = [lw[name + HOST_SUFFIX] for name in EXPERT_FIELDS]
-
-    def fetch(host: list[Any]) -> jax.Array:
-        stack = to_device_memory(host)  # freed once the layer is done with it
-        return compute(tokens, own(offloaded, stack), *stack)
-
-    needed = offloaded if valid is None else offloaded & valid[:, None]
-    there = jax.lax.cond(jnp.any(needed), fetch, lambda _: jnp.zeros_like(here), host)
-    return jnp.where(offloaded[..., None], there, here)
+def filled(cfg: MoEConfig, hidden: int, lw: Mapping[str, Any]) -> MoE:
+    """One layer's ``MoE`` holding the weights ``lw`` (by field name; a packed or int8 value
+    makes its projection a quantized module). Raises ValueError when a weight is missing or has
+    the wrong shape."""
+    _check_shapes(cfg, hidden, {name: tuple(value.shape) for name, value in lw.items()})
+    packed = (PackedWeight, PackedLayer, QuantizedWeight)
+    quantized = {name for name, value in lw.items() if isinstance(value, packed)}
+    layer = MoE(cfg, (), hidden, jnp.float32, quantized)
+    for _, var in params(layer):
+        var.set_value(lw[var.get_metadata("field")])
+    return layer
 
 
 def layer_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int, ...]]:
@@ -323,26 +270,25 @@ def layer_weight_shapes(cfg: MoEConfig, hidden_size: int) -> dict[str, tuple[int
     return shapes(MoE(cfg, (), hidden_size, jnp.float32))
 
 
-def _check_weights(cfg: MoEConfig, hidden: int, lw: Mapping[str, jax.Array]) -> None:
+def _check_shapes(cfg: MoEConfig, hidden: int, given: Mapping[str, tuple[int, ...]]) -> None:
     # Shapes are static, so this costs nothing at run time and turns a silently transposed or
     # missing tensor into a message naming it.
     for name, shape in layer_weight_shapes(cfg, hidden).items():
-        if name not in lw:
+        if name not in given:
             raise ValueError(f"MoE weights lack {name!r} (expected shape {shape})")
-        if tuple(lw[name].shape) != shape:
+        if tuple(given[name]) != shape:
             raise ValueError(
-                f"MoE weight {name!r} has shape {tuple(lw[name].shape)}, expected {shape}"
+                f"MoE weight {name!r} has shape {tuple(given[name])}, expected {shape}"
             )
 
 
 class MoE(Block):
-    """A layer's (or a stack of ``lead`` layers') MoE weights. The routed experts' stacks
-    ``[..., experts, in, out]`` split over their expert axis with expert parallelism (each
-    device keeps its share of the experts whole); offloaded stacks (``e_gate_host``, ...) split
-    the same way and live in pinned host memory. The router stays whole; the shared expert
-    splits like an MLP. Packed expert stacks are parameters here, gathered or dequantized per
-    layer (``experts_gathered``, ``experts_grouped``); the shared expert's projections are
-    ``Linear``s."""
+    """A layer's (or a stack of ``lead`` layers') MoE weights. The routed experts' stacks are
+    ``ExpertLinear`` modules (``QuantizedExpertLinear`` when packed), ``[..., experts, in, out]``
+    split over their expert axis with expert parallelism (each device keeps its share of the
+    experts whole); offloaded stacks (``e_gate_host``, ...) split the same way and live in
+    pinned host memory. The router stays whole; the shared expert's projections are ``Linear``s
+    and split like an MLP."""
 
     def __init__(
         self,
@@ -362,13 +308,16 @@ class MoE(Block):
         )
         resident, offloaded = (e, 0) if cfg.offload is None else cfg.offload.stack_sizes(e)
 
-        def experts(field: str, features: tuple[int, int], axes: tuple[str, str]) -> tuple:
-            shape, full_axes = (*lead, resident, *features), (*stack, EXPERTS, *axes)
-            host = None
-            if offloaded:
-                host_shape, host_field = (*lead, offloaded, *features), field + HOST_SUFFIX
-                host = declare(host_shape, dtype, full_axes, host_field, memory_kind="pinned_host")
-            return declare(shape, dtype, full_axes, field), host
+        def experts(
+            field: str, features: tuple[int, int], axes: tuple[str, str]
+        ) -> tuple[ExpertLinear, ExpertLinear | None]:
+            def stack_of(size: int, name: str, memory_kind: str | None) -> ExpertLinear:
+                return expert_projection(
+                    lead, size, features, axes, dtype, name, quantized, memory_kind
+                )
+
+            host = stack_of(offloaded, field + HOST_SUFFIX, "pinned_host") if offloaded else None
+            return stack_of(resident, field, None), host
 
         self.e_gate, self.e_gate_host = experts("e_gate", (hidden, inter), (EMBED, EXPERT_MLP))
         self.e_up, self.e_up_host = experts("e_up", (hidden, inter), (EMBED, EXPERT_MLP))
@@ -389,8 +338,64 @@ class MoE(Block):
 
     def __call__(
         self,
-        x: jax.Array,  # [..., hidden]
-        valid: jax.Array | None = None,  # [...] bool: the tokens that count
-    ) -> jax.Array:  # [..., hidden]
-        """``moe_mlp`` with this layer's weights."""
-        return moe_mlp(self.cfg, x, self.fields(), valid)
+        x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
+        valid: jax.Array | None = None,  # [...] bool, x's leading shape: the tokens that count
+    ) -> jax.Array:  # [..., hidden] in x's dtype
+        """The MoE block's output for every token of one layer (inside the layer scan); tokens
+        never interact, so padding rows are computed like any other and are the caller's to
+        ignore. Shape-static and jit/scan friendly. ``valid`` (default: every token) only
+        decides whether offloaded experts are fetched: a padding row routed to one does not
+        fetch it, and its output is then unspecified.
+
+        Raises ValueError at trace time when a weight has the wrong shape.
+        """
+        cfg, hidden = self.cfg, x.shape[-1]
+        _check_shapes(cfg, hidden, shapes(self))
+        tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
+        bias = None if self.router_bias is None else self.router_bias.get_value()
+        experts, weights = route(cfg, tokens, self.router.get_value(), bias)
+        valid_tokens = None if valid is None else valid.reshape(-1)
+        per_slot = self._routed_experts(tokens, experts, valid_tokens)
+        out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
+        if self.s_gate is not None and self.s_up is not None and self.s_down is not None:
+            act = _ACTIVATIONS[cfg.activation]
+            shared = self.s_down(act(self.s_gate(tokens)) * self.s_up(tokens))
+            shared = shared.astype(jnp.float32)
+            if self.s_router is not None:
+                shared = shared * jax.nn.sigmoid(self.s_router(tokens).astype(jnp.float32))
+            out = out + shared
+        return out.astype(x.dtype).reshape(x.shape)
+
+    def _routed_experts(
+        self,
+        tokens: jax.Array,  # [num_tokens, hidden]
+        experts: jax.Array,  # [num_tokens, top_k] int32
+        valid: jax.Array | None,  # [num_tokens] bool
+    ) -> jax.Array:  # [num_tokens, top_k, hidden] in tokens' dtype
+        """Each chosen expert's output, from the resident stack or, fetched on demand, the
+        offloaded one. The mechanism follows the full expert count either way, so offloading
+        changes where weights live, not the arithmetic."""
+        cfg = self.cfg
+        grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
+        run = partial(experts_grouped if grouped else experts_gathered, activation=cfg.activation)
+        resident = (self.e_gate, self.e_up, self.e_down)
+        if cfg.offload is None:
+            return run(tokens, experts, *resident)
+        offloaded, index = cfg.offload.locate(experts, cfg.num_experts)
+
+        def own(mine: jax.Array, size: int) -> jax.Array:  # [num_tokens, top_k] int32
+            # Slots of the other stack: past the last group (no rows) when grouped, any valid
+            # index when gathered; their outputs are dropped below.
+            return jnp.where(mine, index, size if grouped else 0)
+
+        here = run(tokens, own(~offloaded, self.e_gate.num_experts), *resident)
+        host = (self.e_gate_host, self.e_up_host, self.e_down_host)
+
+        def fetch() -> jax.Array:
+            # Each offloaded stack is copied to device memory as it is called (``ExpertLinear``)
+            # and freed once the layer is done with it.
+            return run(tokens, own(offloaded, host[0].num_experts), *host)
+
+        needed = offloaded if valid is None else offloaded & valid[:, None]
+        there = jax.lax.cond(jnp.any(needed), fetch, lambda: jnp.zeros_like(here))
+        return jnp.where(offloaded[..., None], there, here)

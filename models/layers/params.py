@@ -1,10 +1,10 @@
 """How a weight is declared: once, by the module that uses it, with its shape, dtype, logical
 sharding axes and the field name the checkpoint rules fill.
 
-Every layer kind is a ``flax.nnx`` module (``Linear``, ``Norm``, ``Embed``, ``Attention``,
-``MLA``, ``MLP``, ``MoE``, ``DecoderLayer``, ``Decoder``). Its ``__init__`` declares each
-parameter with ``declare``: an abstract ``nnx.Param`` (a ``jax.ShapeDtypeStruct``, nothing is
-allocated) whose metadata carries
+Every layer kind is a ``flax.nnx`` module (``Linear``, ``ExpertLinear``, ``Norm``, ``Embed``,
+``Attention``, ``MLA``, ``MLP``, ``MoE``, ``DecoderLayer``, ``Decoder``). Its ``__init__``
+declares each parameter with ``declare``: an abstract ``nnx.Param`` (a ``jax.ShapeDtypeStruct``,
+nothing is allocated) whose metadata carries
 
 - ``out_sharding``: one logical axis name per array axis (below), from which the mesh placement
   of the weights derives (``runtime.parallel.sharding``: one table maps logical axes to mesh

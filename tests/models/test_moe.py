@@ -20,6 +20,7 @@ from jax_llm_runtime.models.layers.moe import (
     MoEConfig,
     experts_gathered,
     experts_grouped,
+    filled,
     moe_mlp,
     moe_weight_shapes,
     route,
@@ -245,7 +246,8 @@ def test_both_expert_mechanisms_agree():
     _, cfg, lw = build_case("deepseek_v3")
     x = jnp.asarray(random_input(shape=(40, HIDDEN)))
     experts, _ = route(cfg, x, lw["router"], lw["router_bias"])
-    args = (x, experts, lw["e_gate"], lw["e_up"], lw["e_down"])
+    layer = filled(cfg, HIDDEN, lw)
+    args = (x, experts, layer.e_gate, layer.e_up, layer.e_down)
     np.testing.assert_allclose(experts_gathered(*args), experts_grouped(*args), atol=1e-6, rtol=0)
 
 

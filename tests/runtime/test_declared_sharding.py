@@ -100,3 +100,59 @@ def test_packed_projections_are_quantized_linear_modules(tmp_path) -> None:
     assert attn.wq.kernel.get_value().shape == (2, 64, 64)  # the declared [layers, in, out]
     assert type(model.lm_head) is Linear  # the LM head stays float
     assert weights["segments"][0]["wq"] is not None and "lm_head" in weights
+
+
+EXPERT_AXES = {"e_gate": ("embed", "expert_mlp"), "e_up": ("embed", "expert_mlp")}
+EXPERT_AXES["e_down"] = ("expert_mlp", "embed")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_expert_stacks_are_expert_linear_modules(packed: bool) -> None:
+    """The routed expert stacks, resident and offloaded, are declared by ``ExpertLinear`` (by
+    ``QuantizedExpertLinear`` when packed) as ``[layers, experts, in, out]`` kernels along
+    (layers, experts, in, out), under their checkpoint field names."""
+    from jax_llm_runtime.models.layers.linear import ExpertLinear, QuantizedExpertLinear
+
+    cfg = CONFIGS["deepseek"]  # 8 experts over 4 ranks, one offloaded per rank
+    quantized = PACKED_FIELDS if packed else frozenset()
+    moe = Decoder(cfg, jnp.bfloat16, quantized).segments[1].layers.ffn
+    kind = QuantizedExpertLinear if packed else ExpertLinear
+    for field, axes in EXPERT_AXES.items():
+        for suffix, experts, memory_kind in (("", 4, None), ("_host", 4, "pinned_host")):
+            stack = getattr(moe, field + suffix)
+            assert type(stack) is kind, field + suffix
+            kernel = stack.kernel
+            assert kernel.get_metadata("field") == field + suffix
+            assert kernel.get_metadata("out_sharding") == ("layers", "experts", *axes)
+            assert kernel.get_value().shape[:2] == (2, experts)  # MoE layers 1-2
+            assert kernel.get_metadata("memory_kind", None) == memory_kind
+            assert stack.offloaded == (memory_kind is not None)
+
+
+def test_packed_expert_stacks_load_into_quantized_expert_linear_modules(tmp_path) -> None:
+    import dataclasses
+
+    import numpy as np
+    import transformers
+
+    from jax_llm_runtime.models.layers.linear import QuantizedExpertLinear
+    from jax_llm_runtime.models.registry import model_config_from_hf
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+    from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+    from tests.models.harness import TINY, save_random_model
+
+    hf = transformers.Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    save_random_model(hf, tmp_path)
+    checkpoint = load_hf_checkpoint(tmp_path)
+    spec, config = model_config_from_hf(checkpoint.config)
+    config = dataclasses.replace(config, quantization="q4_0")
+    weights = spec.load(config, checkpoint.tensors(packed=True), np.float32)
+    moe = weights.model().segments[0].layers.ffn
+    for field in EXPERT_AXES:
+        stack = getattr(moe, field)
+        assert isinstance(stack, QuantizedExpertLinear), field
+        assert isinstance(stack.kernel.get_value(), PackedWeight), field
+        assert stack.kernel.get_value().shape[:2] == (2, 4)  # [layers, experts, in, out]
+        assert isinstance(weights["segments"][0][field], PackedWeight), field
