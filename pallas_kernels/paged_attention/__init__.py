@@ -23,7 +23,7 @@ from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
     write_cache,
     write_kv,
 )
-from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention
+from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention, ragged_attention
 from jax_llm_runtime.pallas_kernels.paged_attention.reference import (
     paged_attention,
     ragged_paged_attention,
@@ -39,6 +39,7 @@ __all__ = [
     "kv_scale_shape",
     "paged_attention",
     "quantize_rows",
+    "ragged_attention",
     "ragged_paged_attention",
     "storage_dtype",
     "to_stored",
