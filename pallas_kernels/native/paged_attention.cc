@@ -1,8 +1,14 @@
-// Paged attention for XLA:CPU, read straight from the pages. The contract is
-// reference.paged_attention's (pallas_kernels/paged_attention/native.py says
+// Paged attention for XLA:CPU, read straight from the pages. Two handlers
+// share everything but how query rows are laid out: PagedAttention takes
+// reference.paged_attention's padded [num_seqs, q_len] rows, and
+// RaggedPagedAttention reference.ragged_paged_attention's flat run of rows, in
+// which sequence s owns rows q_starts[s]:q_starts[s + 1] (decode tokens and
+// prefill chunks of several sequences in one call). Both become one list of
+// row spans, one per sequence (pallas_kernels/paged_attention/native.py says
 // how the operands arrive).
 //
-// One work item is (sequence, a run of KV heads, a block of query tokens). It
+// One work item is (sequence, a run of KV heads, a block of query tokens of
+// that sequence's span, so a decode row and a long chunk cost what they read). It
 // walks the keys any of its queries can see in blocks of kBlock, finds each
 // key's row through page_indices inside the whole cache (no gathered copy),
 // and keeps a flash-style online softmax in float32 for each query row (one
@@ -164,8 +170,8 @@ inline Vec Fp8ToFloat(const uint8_t* src) {
 // Everything one call needs; rows of the caches are addressed by their index
 // over [num_layers, num_pages, page_size, num_kv_heads] (times head_dim).
 struct Problem {
-  const float* q;               // [num_seqs, q_len, num_heads, head_dim], pre-scaled
-  float* out;                   // [num_seqs, q_len, num_heads, head_dim]
+  const float* q;               // [num_rows, num_heads, head_dim], pre-scaled
+  float* out;                   // [num_rows, num_heads, head_dim]
   const uint8_t* k;             // the K cache, any supported dtype
   const uint8_t* v;             // the V cache
   ffi::DataType dtype;
@@ -173,15 +179,24 @@ struct Problem {
   bool in_place;                // float32 rows of whole vectors without scales: read as they are
   const float* k_scales;        // [num_layers, num_pages, page_size, num_kv_heads] or null
   const float* v_scales;
-  const int32_t* positions;     // [num_seqs, q_len]
+  const int32_t* positions;     // [num_rows]
   const int32_t* page_indices;  // [num_seqs, pages_per_seq]
   const int32_t* kv_lens;       // [num_seqs]
-  int64_t num_seqs, q_len, num_heads, head_dim, padded_dim;
+  int64_t num_seqs, num_rows, num_heads, head_dim, padded_dim;
   int64_t num_layers, num_pages, page_size, num_kv_heads, pages_per_seq;
-  int64_t group, query_block, num_query_blocks;
-  int64_t heads_per_item, head_runs;  // KV heads of one item, and runs of them per sequence
+  int64_t group, query_block, heads_per_item;  // rows and KV heads of one item at most
   int64_t layer, window;              // window <= 0: none
   float soft_cap;                     // <= 0: none
+};
+
+// A sequence's query rows [first, last) (padded: s * q_len onwards).
+struct Span {
+  int64_t first, last;
+};
+
+// One work item: rows [row0, row1) of sequence seq, KV heads [h0, h0 + heads).
+struct Item {
+  int64_t seq, row0, row1, h0, heads;
 };
 
 // Per-thread buffers, padded to whole vectors (the pad stays zero). An item's
@@ -441,11 +456,11 @@ inline void Prefetch(const Problem& p, const uint8_t* cache, int64_t row, int64_
 }
 
 // Visible keys [lo[j], hi[j]) of each token of the block; returns their union's bounds.
-std::pair<int64_t, int64_t> VisibleKeys(const Problem& p, int64_t seq, int64_t j0, int64_t j1,
-                                        int64_t kv_len, Scratch& s) {
+std::pair<int64_t, int64_t> VisibleKeys(const Problem& p, int64_t j0, int64_t j1, int64_t kv_len,
+                                        Scratch& s) {
   int64_t lo = kv_len, hi = 0;
   for (int64_t j = j0; j < j1; ++j) {
-    const int64_t pos = p.positions[seq * p.q_len + j];
+    const int64_t pos = p.positions[j];
     const int64_t t_hi = std::min<int64_t>(kv_len, pos + 1);
     const int64_t t_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
     s.lo[j - j0] = t_lo;
@@ -459,22 +474,18 @@ std::pair<int64_t, int64_t> VisibleKeys(const Problem& p, int64_t seq, int64_t j
 }
 
 template <int DP>
-void RunItem(const Problem& p, int64_t item, Scratch& s) {
-  const int64_t block = item % p.num_query_blocks;
-  const int64_t run = (item / p.num_query_blocks) % p.head_runs;
-  const int64_t seq = item / p.num_query_blocks / p.head_runs;
-  const int64_t j0 = block * p.query_block, j1 = std::min(p.q_len, j0 + p.query_block);
-  const int64_t h0 = run * p.heads_per_item;
-  const int64_t heads = std::min(p.num_kv_heads, h0 + p.heads_per_item) - h0;
+void RunItem(const Problem& p, const Item& item, Scratch& s) {
+  const int64_t seq = item.seq, j0 = item.row0, j1 = item.row1;
+  const int64_t h0 = item.h0, heads = item.heads;
   const int64_t dp = p.padded_dim, d = p.head_dim, g = p.group;
   const int64_t kv_len = std::clamp<int64_t>(p.kv_lens[seq], 0, p.pages_per_seq * p.page_size);
-  const auto [lo, hi] = VisibleKeys(p, seq, j0, j1, kv_len, s);
+  const auto [lo, hi] = VisibleKeys(p, j0, j1, kv_len, s);
 
   // Row r's q and out: token j0 + r / (heads * g), query head h0 * g + r % (heads * g).
   const int64_t rows = (j1 - j0) * heads * g;
   auto offset = [&](int64_t r) {
     const int64_t j = j0 + r / (heads * g), h = h0 * g + r % (heads * g);
-    return ((seq * p.q_len + j) * p.num_heads + h) * d;
+    return (j * p.num_heads + h) * d;
   };
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(&s.q[r * dp], p.q + offset(r), d * sizeof(float));
@@ -529,6 +540,7 @@ void RunItem(const Problem& p, int64_t item, Scratch& s) {
 // touches nothing else.
 struct Work {
   Problem problem;
+  std::vector<Item> items;
   int64_t total;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -541,9 +553,9 @@ struct Work {
     Scratch scratch(problem);
     for (; item < total; item = next.fetch_add(1)) {
       switch (problem.padded_dim) {  // the common head sizes get unrolled loops
-        case 64: RunItem<64>(problem, item, scratch); break;
-        case 128: RunItem<128>(problem, item, scratch); break;
-        default: RunItem<0>(problem, item, scratch); break;
+        case 64: RunItem<64>(problem, items[item], scratch); break;
+        case 128: RunItem<128>(problem, items[item], scratch); break;
+        default: RunItem<0>(problem, items[item], scratch); break;
       }
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mutex);
@@ -573,6 +585,107 @@ int64_t ElementBytes(ffi::DataType t) {
   }
 }
 
+// The fields of a Problem that the cache operands give, or false when they
+// are unsupported (num_heads and head_dim come from q, whose layout differs).
+bool SetUpCache(Problem& p, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
+                float soft_cap) {
+  const auto cd = k_cache.dimensions();
+  const auto vd = v_cache.dimensions();
+  const auto pd = page_indices.dimensions();
+  const auto scaled = k_scales.element_count() > 0;
+  if (cd.size() != 5 || vd.size() != 5 || pd.size() != 2 ||
+      !std::equal(cd.begin(), cd.end(), vd.begin()) ||
+      k_cache.element_type() != v_cache.element_type() ||
+      ElementBytes(ValueType(k_cache.element_type())) == 0 || cd[4] != p.head_dim ||
+      cd[3] < 1 || p.num_heads % cd[3] != 0 ||
+      static_cast<int64_t>(kv_lens.element_count()) != pd[0] ||
+      (scaled && v_scales.element_count() != k_scales.element_count()) ||
+      (scaled && k_scales.element_count() * cd[4] != k_cache.element_count())) {
+    return false;
+  }
+  p.k = static_cast<const uint8_t*>(k_cache.untyped_data());
+  p.v = static_cast<const uint8_t*>(v_cache.untyped_data());
+  p.dtype = ValueType(k_cache.element_type());
+  p.element_bytes = ElementBytes(p.dtype);
+  p.k_scales = scaled ? k_scales.typed_data() : nullptr;
+  p.v_scales = scaled ? v_scales.typed_data() : nullptr;
+  p.page_indices = page_indices.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.num_seqs = pd[0];
+  p.pages_per_seq = pd[1];
+  p.padded_dim = (p.head_dim + kLanes - 1) / kLanes * kLanes;
+  p.in_place = p.dtype == ffi::DataType::F32 && !scaled && p.head_dim == p.padded_dim;
+  p.num_layers = cd[0];
+  p.num_pages = cd[1];
+  p.page_size = cd[2];
+  p.num_kv_heads = cd[3];
+  p.group = p.num_heads / p.num_kv_heads;
+  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
+  p.window = window.typed_data()[0];
+  p.soft_cap = soft_cap;
+  return true;
+}
+
+// The work items of the spans in order (sequence, run of KV heads, block of
+// rows): a sequence's items read its pages one after another.
+std::vector<Item> MakeItems(const Problem& p, const std::vector<Span>& spans) {
+  const int64_t heads_per_item = p.heads_per_item;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(spans.size()); ++s) {
+    for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_item) {
+      const int64_t heads = std::min(heads_per_item, p.num_kv_heads - h0);
+      for (int64_t j0 = spans[s].first; j0 < spans[s].last; j0 += p.query_block) {
+        items.push_back({s, j0, std::min(spans[s].last, j0 + p.query_block), h0, heads});
+      }
+    }
+  }
+  return items;
+}
+
+// Runs every sequence's span of query rows (spans[s] for sequence s) on the
+// calling thread and, for calls that read enough rows, XLA's thread pool.
+void Launch(ffi::ThreadPool pool, const Problem& problem, const std::vector<Span>& spans,
+            int64_t query_block) {
+  Problem p = problem;
+  // A call that reads few rows (a short decoding sequence) runs on the calling
+  // thread alone: handing items to the pool would cost more than it saves.
+  int64_t rows_read = 0, most_rows = 1, blocks = 0;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t rows = spans[s].last - spans[s].first;
+    rows_read += std::clamp<int64_t>(p.kv_lens[s], 0, p.pages_per_seq * p.page_size) * rows;
+    most_rows = std::max(most_rows, rows);
+  }
+  rows_read *= p.num_kv_heads;
+  p.query_block = std::min(query_block, most_rows);
+  for (const Span& span : spans) {
+    blocks += (span.last - span.first + p.query_block - 1) / p.query_block;
+  }
+  const int64_t threads = rows_read < kInlineRows ? 0 : pool.num_threads();
+  // An item reads whole pages (all its KV heads' rows are adjacent) unless that
+  // leaves fewer than two items per thread; then the KV heads split into runs
+  // (a lone decoding sequence still keeps every thread busy).
+  const int64_t min_items = threads > 0 ? 2 * threads : 1;
+  const int64_t head_runs = std::clamp<int64_t>(
+      (min_items + blocks - 1) / std::max<int64_t>(blocks, 1), 1, p.num_kv_heads);
+  p.heads_per_item = (p.num_kv_heads + head_runs - 1) / head_runs;
+
+  auto work = std::make_shared<Work>();
+  work->problem = p;
+  work->items = MakeItems(p, spans);
+  work->total = static_cast<int64_t>(work->items.size());
+  if (work->total == 0 || p.head_dim == 0) return;
+  // The calling thread works too, so the pool lends one thread fewer than it has: as many
+  // workers as threads (the calling thread is not one of the pool's).
+  const int64_t helpers = std::min<int64_t>(threads - 1, work->total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+}
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                               ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
@@ -582,76 +695,66 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::ResultBuffer<ffi::F32> out, int64_t query_block,
                               float soft_cap) {
   const auto qd = q.dimensions();
-  const auto cd = k_cache.dimensions();
-  const auto vd = v_cache.dimensions();
-  const auto scaled = k_scales.element_count() > 0;
-  if (qd.size() != 4 || cd.size() != 5 || vd.size() != 5 ||
-      !std::equal(cd.begin(), cd.end(), vd.begin()) ||
-      k_cache.element_type() != v_cache.element_type() ||
-      ElementBytes(ValueType(k_cache.element_type())) == 0 || cd[4] != qd[3] ||
-      qd[2] % cd[3] != 0 || query_block < 1 ||
-      (scaled && v_scales.element_count() != k_scales.element_count()) ||
-      (scaled && k_scales.element_count() * cd[4] != k_cache.element_count())) {
+  Problem p;
+  if (qd.size() == 4) {
+    p.num_rows = qd[0] * qd[1];
+    p.num_heads = qd[2];
+    p.head_dim = qd[3];
+  }
+  if (qd.size() != 4 || query_block < 1 ||
+      !SetUpCache(p, k_cache, v_cache, k_scales, v_scales, layer, window, page_indices, kv_lens,
+                  soft_cap) ||
+      p.num_seqs != qd[0] || static_cast<int64_t>(positions.element_count()) != p.num_rows) {
     return ffi::Error::InvalidArgument("paged_attention: unsupported shapes or dtypes");
   }
-  Problem p;
   p.q = q.typed_data();
   p.out = out->typed_data();
-  p.k = static_cast<const uint8_t*>(k_cache.untyped_data());
-  p.v = static_cast<const uint8_t*>(v_cache.untyped_data());
-  p.dtype = ValueType(k_cache.element_type());
-  p.element_bytes = ElementBytes(p.dtype);
-  p.k_scales = scaled ? k_scales.typed_data() : nullptr;
-  p.v_scales = scaled ? v_scales.typed_data() : nullptr;
   p.positions = positions.typed_data();
-  p.page_indices = page_indices.typed_data();
-  p.kv_lens = kv_lens.typed_data();
-  p.num_seqs = qd[0];
-  p.q_len = qd[1];
-  p.num_heads = qd[2];
-  p.head_dim = qd[3];
-  p.padded_dim = (qd[3] + kLanes - 1) / kLanes * kLanes;
-  p.in_place = p.dtype == ffi::DataType::F32 && !scaled && p.head_dim == p.padded_dim;
-  p.num_layers = cd[0];
-  p.num_pages = cd[1];
-  p.page_size = cd[2];
-  p.num_kv_heads = cd[3];
-  p.pages_per_seq = page_indices.dimensions()[1];
-  p.group = p.num_heads / p.num_kv_heads;
-  p.query_block = std::min<int64_t>(query_block, std::max<int64_t>(p.q_len, 1));
-  p.num_query_blocks = (p.q_len + p.query_block - 1) / p.query_block;
-  // A call that reads few rows (a short decoding sequence) runs on the calling
-  // thread alone: handing items to the pool would cost more than it saves.
-  int64_t rows_read = 0;
-  for (int64_t s = 0; s < p.num_seqs; ++s) {
-    rows_read += std::clamp<int64_t>(p.kv_lens[s], 0, p.pages_per_seq * p.page_size);
-  }
-  rows_read *= p.num_kv_heads * p.q_len;
-  const int64_t threads = rows_read < kInlineRows ? 0 : pool.num_threads();
-  // An item reads whole pages (all its KV heads' rows are adjacent) unless that
-  // leaves fewer than two items per thread; then the KV heads split into runs
-  // (a lone decoding sequence still keeps every thread busy).
-  const int64_t min_items = threads > 0 ? 2 * threads : 1;
-  const int64_t per_head = p.num_seqs * p.num_query_blocks;
-  p.head_runs = std::clamp<int64_t>((min_items + per_head - 1) / std::max<int64_t>(per_head, 1),
-                                    1, p.num_kv_heads);
-  p.heads_per_item = (p.num_kv_heads + p.head_runs - 1) / p.head_runs;
-  p.head_runs = (p.num_kv_heads + p.heads_per_item - 1) / p.heads_per_item;
-  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
-  p.window = window.typed_data()[0];
-  p.soft_cap = soft_cap;
+  std::vector<Span> spans(p.num_seqs);
+  for (int64_t s = 0; s < p.num_seqs; ++s) spans[s] = {s * qd[1], (s + 1) * qd[1]};
+  Launch(pool, p, spans, query_block);
+  return ffi::Error::Success();
+}
 
-  auto work = std::make_shared<Work>();
-  work->problem = p;
-  work->total = per_head * p.head_runs;
-  if (work->total == 0 || p.head_dim == 0) return ffi::Error::Success();
-  // The calling thread works too, so the pool lends one thread fewer than it has: as many
-  // workers as threads (the calling thread is not one of the pool's).
-  const int64_t helpers = std::min<int64_t>(threads - 1, work->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  std::unique_lock<std::mutex> lock(work->mutex);
-  work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+ffi::Error RaggedPagedAttentionImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+    ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> positions,
+    ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> page_indices,
+    ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::F32> out, int64_t query_block,
+    float soft_cap) {
+  const auto qd = q.dimensions();
+  Problem p;
+  if (qd.size() == 3) {
+    p.num_rows = qd[0];
+    p.num_heads = qd[1];
+    p.head_dim = qd[2];
+  }
+  if (qd.size() != 3 || query_block < 1 ||
+      !SetUpCache(p, k_cache, v_cache, k_scales, v_scales, layer, window, page_indices, kv_lens,
+                  soft_cap) ||
+      static_cast<int64_t>(q_starts.element_count()) != p.num_seqs + 1 ||
+      static_cast<int64_t>(positions.element_count()) != p.num_rows) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported shapes or dtypes");
+  }
+  p.q = q.typed_data();
+  p.out = out->typed_data();
+  p.positions = positions.typed_data();
+  // Spans from q_starts, kept inside the rows and non-decreasing whatever they hold; rows
+  // outside [first, last) belong to no sequence (padding) and return zeros.
+  const int32_t* starts = q_starts.typed_data();
+  std::vector<Span> spans(p.num_seqs);
+  const int64_t first = std::clamp<int64_t>(starts[0], 0, p.num_rows);
+  int64_t row = first;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t next = std::clamp<int64_t>(starts[s + 1], row, p.num_rows);
+    spans[s] = {row, next};
+    row = next;
+  }
+  const int64_t row_floats = p.num_heads * p.head_dim;
+  std::fill(p.out, p.out + first * row_floats, 0.0f);
+  std::fill(p.out + row * row_floats, p.out + p.num_rows * row_floats, 0.0f);
+  Launch(pool, p, spans, query_block);
   return ffi::Error::Success();
 }
 
@@ -668,6 +771,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window [] (<= 0: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("query_block")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [num_tokens, heads, d]
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (<= 0: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [num_tokens]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_starts [num_seqs + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

@@ -5,7 +5,8 @@ The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_s
 ``write_cache``. A bfloat16 or float8 cache is stored as integers on CPU (``storage_dtype``);
 anything that reads its arrays directly goes through ``from_stored``.
 ``attention`` picks the Pallas kernel (``kernel.py``), the native CPU kernel (``native.py``) or
-the reference (``reference.py``).
+the reference (``reference.py``). ``ragged_paged_attention`` is the contract of a step whose
+query rows are a flat run mixing sequences (decode tokens and prefill chunks, ``q_starts``).
 """
 
 from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
@@ -22,8 +23,11 @@ from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
     write_cache,
     write_kv,
 )
-from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention
-from jax_llm_runtime.pallas_kernels.paged_attention.reference import paged_attention
+from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention, ragged_attention
+from jax_llm_runtime.pallas_kernels.paged_attention.reference import (
+    paged_attention,
+    ragged_paged_attention,
+)
 
 __all__ = [
     "FP8",
@@ -35,6 +39,8 @@ __all__ = [
     "kv_scale_shape",
     "paged_attention",
     "quantize_rows",
+    "ragged_attention",
+    "ragged_paged_attention",
     "storage_dtype",
     "to_stored",
     "value_dtype",

@@ -15,6 +15,11 @@ not split a custom call). ``implementation`` then picks, for the backend and the
 Tests and tools force one: ``impl="pallas"`` (interpreted on CPU), ``"reference"``, ``"native"``
 (the native kernel wherever it is built and reads the dtype, measured or not) or ``"cpu"`` (the
 measured rule of ``native``).
+
+``ragged_attention`` is the same choice for ``reference.ragged_paged_attention``'s contract (a
+flat run of query rows mixing sequences, ``q_starts``), with two differences: no Pallas kernel
+takes that layout yet, so ``impl="pallas"`` raises and a kernel backend runs the reference; and
+the measured class is "decode" when the call has at most one row per sequence, else "prefill".
 """
 
 from __future__ import annotations
@@ -34,6 +39,39 @@ def implementation(
 ) -> str:
     """Which implementation runs this call on this backend: "pallas", "native" or "reference"
     (see the module docstring for the rules)."""
+    call_class = cpu_choice.attention_class(q.shape[1])
+    return _choose(impl, call_class, q, k_cache, v_cache, native_ok)
+
+
+def ragged_implementation(
+    impl: str,
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    num_seqs: int,
+    native_ok: bool = False,
+) -> str:
+    """Which implementation runs a ragged call on this backend: "native" or "reference" (see the
+    module docstring); ``impl="pallas"`` raises ``ValueError``."""
+    if impl == "pallas":
+        raise ValueError(
+            "no Pallas kernel takes the ragged layout yet: use impl='auto', 'native', 'cpu' or "
+            "'reference' for ragged_attention, or the padded attention for the Pallas kernel"
+        )
+    rows_per_seq = -(-q.shape[0] // max(num_seqs, 1))
+    chosen = _choose(impl, cpu_choice.attention_class(rows_per_seq), q, k_cache, v_cache, native_ok)
+    return "reference" if chosen == "pallas" else chosen
+
+
+def _choose(
+    impl: str,
+    call_class: str,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    native_ok: bool,
+) -> str:
+    """The rules of the module docstring for a call of ``call_class`` ("decode", "prefill")."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = jax.default_backend()
@@ -41,9 +79,7 @@ def implementation(
         impl = "cpu"
     if impl == "pallas" or (impl == "auto" and backend in KERNEL_BACKENDS):
         return "pallas"
-    measured = impl == "cpu" and cpu_choice.native_wins(
-        "paged_attention", cpu_choice.attention_class(q.shape[1])
-    )
+    measured = impl == "cpu" and cpu_choice.native_wins("paged_attention", call_class)
     run_native = (
         (impl == "native" or measured)
         and backend == "cpu"
@@ -104,6 +140,52 @@ def attention(
         v_cache,
         layer,
         positions,
+        page_indices,
+        kv_lens,
+        scale=scale * k_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
+    return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
+
+
+def ragged_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # [] int32
+    positions: jax.Array,  # [num_tokens] int32, absolute position of each query token
+    q_starts: jax.Array,  # [num_seqs + 1] int32, sequence s owns rows q_starts[s]:q_starts[s+1]
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+    kv_lens: jax.Array,  # [num_seqs] int32, valid KV positions (including this step's tokens)
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    impl: str = "auto",
+    native: bool = False,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    """Paged attention with ``reference.ragged_paged_attention``'s contract, on the native
+    kernel or the reference (``ragged_implementation``); the arguments are ``attention``'s."""
+    chosen = ragged_implementation(impl, q, k_cache, v_cache, page_indices.shape[0], native)
+    run = (
+        native_kernel.ragged_paged_attention
+        if chosen == "native"
+        else reference.ragged_paged_attention
+    )
+    out = run(
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        positions,
+        q_starts,
         page_indices,
         kv_lens,
         scale=scale * k_scale,

@@ -5,6 +5,11 @@ Each sequence gathers only its own pages (``page_indices``) and every key positi
 read with its row scales (see ``layout.py``): each gathered row is dequantised before masking.
 A cache in integer storage (``layout.storage_dtype``) is gathered as it is and only the gathered
 rows are bitcast to their float dtype.
+
+Two layouts of a step's queries: ``paged_attention`` takes them padded, ``[num_seqs, q_len]``
+rows (one prefill chunk, or one decode token per sequence); ``ragged_paged_attention`` takes a
+flat run of ``num_tokens`` rows in which sequence ``s`` owns rows ``q_starts[s]:q_starts[s+1]``,
+so decode tokens and prefill chunks of several sequences share one call.
 """
 
 from __future__ import annotations
@@ -17,17 +22,12 @@ from jax_llm_runtime.pallas_kernels.paged_attention.layout import from_stored
 _MASKED = -1e30  # finite, so a fully masked (padding) row stays finite instead of NaN
 
 
-def _validate(
-    q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens: jax.Array
-) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [num_seqs, q_len, num_heads, head_dim], got shape {q.shape}")
+def _validate_cache(num_heads: int, head_dim: int, k_cache: jax.Array) -> None:
     if k_cache.ndim != 5:
         raise ValueError(
             "k_cache must be [num_layers, num_pages, page_size, num_kv_heads, head_dim], "
             f"got shape {k_cache.shape}"
         )
-    num_seqs, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
     if k_cache.shape[4] != head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, cache has {k_cache.shape[4]}")
@@ -35,10 +35,42 @@ def _validate(
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
+
+
+def _validate(
+    q: jax.Array, k_cache: jax.Array, page_indices: jax.Array, kv_lens: jax.Array
+) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [num_seqs, q_len, num_heads, head_dim], got shape {q.shape}")
+    num_seqs, _, num_heads, head_dim = q.shape
+    _validate_cache(num_heads, head_dim, k_cache)
     if page_indices.shape[0] != num_seqs or kv_lens.shape != (num_seqs,):
         raise ValueError(
             f"page_indices {page_indices.shape} and kv_lens {kv_lens.shape} must lead with "
             f"num_seqs={num_seqs}"
+        )
+
+
+def _validate_ragged(
+    q: jax.Array,
+    k_cache: jax.Array,
+    positions: jax.Array,
+    q_starts: jax.Array,
+    page_indices: jax.Array,
+    kv_lens: jax.Array,
+) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
+    num_tokens, num_heads, head_dim = q.shape
+    _validate_cache(num_heads, head_dim, k_cache)
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [num_tokens={num_tokens}], got {positions.shape}")
+    num_seqs = page_indices.shape[0] if page_indices.ndim == 2 else -1
+    if num_seqs < 1 or kv_lens.shape != (num_seqs,) or q_starts.shape != (num_seqs + 1,):
+        raise ValueError(
+            "page_indices must be [num_seqs, pages_per_seq] with num_seqs >= 1, kv_lens "
+            f"[num_seqs] and q_starts [num_seqs + 1]; got page_indices {page_indices.shape}, "
+            f"kv_lens {kv_lens.shape}, q_starts {q_starts.shape}"
         )
 
 
@@ -125,3 +157,92 @@ def paged_attention(
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("skgqt,stkd->sqkgd", probs, v)
     return out.reshape(num_seqs, q_len, num_heads, head_dim).astype(q.dtype)
+
+
+ROW_BLOCK = 8  # query rows of a ragged call whose sequences' pages are gathered at once
+
+
+def sequence_ids(
+    q_starts: jax.Array,  # [num_seqs + 1] int32
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array]:  # [num_tokens] int32 in [0, num_seqs), [num_tokens] bool
+    """Each query row's sequence (``q_starts[s] <= row < q_starts[s + 1]``) and whether it has
+    one: rows before ``q_starts[0]`` or from ``q_starts[num_seqs]`` on are padding (their id is
+    clipped into range so it can index)."""
+    num_seqs = q_starts.shape[0] - 1
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(q_starts.astype(jnp.int32), rows, side="right").astype(jnp.int32) - 1
+    valid = (seq >= 0) & (seq < num_seqs)
+    return jnp.clip(seq, 0, num_seqs - 1), valid
+
+
+def sees_a_key(
+    positions: jax.Array,  # [num_tokens] int32
+    kv_lens: jax.Array,  # [num_tokens] int32, the row's sequence's (0 for padding)
+    sliding_window: int | jax.Array | None,
+) -> jax.Array:  # [num_tokens] bool
+    """Whether a row's visible key range ``[max(0, p - w + 1), min(kv_len, p + 1))`` is not
+    empty."""
+    hi = jnp.minimum(kv_lens, positions + 1)
+    lo = 0 if sliding_window is None else jnp.maximum(0, positions - sliding_window + 1)
+    return hi > lo
+
+
+def _row_blocks(x: jax.Array, block: int) -> jax.Array:  # [num_blocks, block, ...]
+    """``x`` [num_tokens, ...] padded with zeros to whole blocks of ``block`` rows."""
+    pad = [(0, -x.shape[0] % block)] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad).reshape(-1, block, *x.shape[1:])
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # [] int32
+    positions: jax.Array,  # [num_tokens] int32, absolute position of each query token
+    q_starts: jax.Array,  # [num_seqs + 1] int32, sequence s owns rows q_starts[s]:q_starts[s+1]
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+    kv_lens: jax.Array,  # [num_seqs] int32, valid KV positions (including this step's tokens)
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    """``paged_attention`` over a flat run of query rows mixing several sequences.
+
+    ``q_starts`` is non-decreasing with ``q_starts[0] == 0`` in the usual case: sequence ``s``
+    owns rows ``q_starts[s]:q_starts[s + 1]`` (a decode row, a prefill chunk, or none), and rows
+    outside ``[q_starts[0], q_starts[num_seqs])`` are padding. Each row sees the keys
+    ``paged_attention`` gives its position in its own sequence (``t < kv_lens[s]``, ``t <= p``,
+    ``t > p - w`` with a window), so a chunk is causal within itself and sees its cached pages.
+    Padding rows and rows that see no key return zeros (as the native and Pallas kernels do).
+
+    Each row runs as its own one-token sequence of ``paged_attention``, ``ROW_BLOCK`` rows per
+    step of a ``lax.map``: a step gathers its rows' whole page tables, so it holds
+    ``2 * ROW_BLOCK * pages_per_seq * page_size * num_kv_heads * head_dim`` float32 K/V values
+    (plus ``ROW_BLOCK * num_heads * pages_per_seq * page_size`` scores), and the call reads
+    ``num_tokens * pages_per_seq * page_size`` rows of each cache in all. Shapes are static:
+    one compiled call serves every ``q_starts``.
+    """
+    _validate_ragged(q, k_cache, positions, q_starts, page_indices, kv_lens)
+    _validate_scales(k_cache, v_cache, k_scales, v_scales)
+    num_tokens = q.shape[0]
+    seq, valid = sequence_ids(q_starts, num_tokens)
+    lens = jnp.where(valid, kv_lens[seq], 0)  # padding rows see no key
+    positions = positions.astype(jnp.int32)
+
+    def attend(xs: tuple[jax.Array, ...]) -> jax.Array:  # [ROW_BLOCK, num_heads, head_dim]
+        q_b, pos_b, pages_b, lens_b = xs
+        out = paged_attention(
+            q_b[:, None], k_cache, v_cache, layer, pos_b[:, None], pages_b, lens_b,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scales=k_scales, v_scales=v_scales,
+        )  # fmt: skip
+        return out[:, 0]
+
+    blocks = [_row_blocks(x, ROW_BLOCK) for x in (q, positions, page_indices[seq], lens)]
+    out = jax.lax.map(attend, tuple(blocks)).reshape(-1, *q.shape[1:])[:num_tokens]
+    seen = sees_a_key(positions, lens, sliding_window)
+    return jnp.where(seen[:, None, None], out, 0).astype(q.dtype)
