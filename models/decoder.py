@@ -5,7 +5,7 @@ A layer (``DecoderLayer``) is: norm -> attention -> (post-norm) -> residual, the
 MoE -> (post-norm) -> residual; or, with ``parallel_residual`` (Phi-2, StableLM),
 x + attn(norm(x)) + mlp(norm(x)). What differs between architectures is data in
 ``DecoderConfig`` (norm kind, activation, biases, sandwich norms, sliding layers, soft-caps,
-embedding scale) and a table of checkpoint-name rules; the architecture files (``llama.py``,
+embedding scale) and a table of checkpoint-name rules; the architecture files (``models.families``: ``llama.py``,
 ``gemma.py``, ...) hold only those translations.
 
 Each weight is declared once, by the module of its layer kind (``models.layers``: ``Embed``,
@@ -208,10 +208,11 @@ class Decoder(nnx.Module):
     def __call__(
         self, cache: KVCache, batch: StepBatch
     ) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
-        """Run the new tokens through all layers; logits at each sequence's last new token."""
+        """Run the step's new tokens (a ragged run: ``models.batch``) through all layers;
+        logits at each sequence's last new token."""
         cfg = self.cfg
-        x = self.embed(batch.tokens)  # [num_seqs, q_len, hidden]
-        valid = jnp.arange(x.shape[1]) < batch.q_lens[:, None]  # [num_seqs, q_len]
+        x = self.embed(batch.tokens)  # [num_tokens, hidden]
+        valid = batch.valid  # [num_tokens]
 
         def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:
             x, cache = carry
@@ -219,8 +220,7 @@ class Decoder(nnx.Module):
 
         for segment in self.segments:
             x, cache = segment.scan(cfg, step, (x, cache))
-        last = jnp.maximum(batch.q_lens - 1, 0)
-        h = x[jnp.arange(x.shape[0]), last]  # [num_seqs, hidden]
+        h = x[batch.last_rows]  # [num_seqs, hidden]
         return self.logits(self.final_norm(h)), cache
 
     def hidden_states(

@@ -9,9 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_llm_runtime.models import (
-    checkpoint,
-    decoder,
+from jax_llm_runtime.models import checkpoint, decoder
+from jax_llm_runtime.models.families import (
     gemma,
     glm4,
     llama,

@@ -19,6 +19,10 @@ DEFAULT_MAX_WAITING = 256
 # context, so each prompt is prefilled in one step (the buckets and the scheduler cap a chunk at
 # max_model_len).
 UNCHUNKED_PREFILL = 1 << 30
+# The token budget of a step on CPU (max_num_batched_tokens 0): a step of 16 decodes plus a
+# 256-token chunk of SmolLM2-135M takes ~0.4 s on 2 cores, so running streams see at most that
+# gap while a long prompt is prefilled (BENCHMARKS.md, "Mixed batches").
+CPU_BATCHED_TOKENS = 256
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -34,8 +38,11 @@ class EngineConfig:
     request is refused with ``EngineOverloadedError`` instead of queued (0: no bound).
     kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
     model's context length, capped by what the cache can hold. prefill_chunk_size is the most
-    prompt tokens one step processes for one sequence (chunked prefill); 0 turns chunking off
-    (stored as ``UNCHUNKED_PREFILL``: the whole prompt in one step). decode_steps is how many
+    prompt tokens one step processes for one sequence (chunked prefill); 0 lifts that limit
+    (stored as ``UNCHUNKED_PREFILL``), leaving the step's budget. max_num_batched_tokens is
+    that budget: the most tokens one step runs, every running sequence's next token plus
+    prefill chunks of as many prompts as fit (mixed batches); 0 picks ``CPU_BATCHED_TOKENS`` on
+    CPU and prefill_chunk_size plus max_num_seqs elsewhere (``batched_tokens``). decode_steps is how many
     tokens a decode call generates per sequence when no other work waits (multi-step decode: one
     dispatch and one host round trip for several tokens); 0 picks 4 on CPU, where ~1 ms of host
     work per call is felt by a lone stream, and 8 on accelerators, where dispatch dominates small
@@ -72,6 +79,7 @@ class EngineConfig:
     kvcache_mem_mb: int = 1024
     page_size: int = 16
     prefill_chunk_size: int = 8192
+    max_num_batched_tokens: int = 0
     seed: int = 0
     decode_steps: int = 0
     isq: str | None = (
@@ -118,7 +126,22 @@ class EngineConfig:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         self._check_prefill_chunk_size()
 
+    def batched_tokens(self, backend: str, max_model_len: int) -> int:
+        """The step's token budget on ``backend`` for a context of ``max_model_len`` (see the
+        class docstring); above max_num_seqs, so that prompts are prefilled while every
+        sequence decodes."""
+        budget = self.max_num_batched_tokens
+        if not budget:
+            chunk = min(self.prefill_chunk_size, max_model_len)
+            budget = CPU_BATCHED_TOKENS if backend == "cpu" else chunk + self.max_num_seqs
+        return max(budget, 2 * self.max_num_seqs)
+
     def _check_prefill_chunk_size(self) -> None:
+        if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be above max_num_seqs ({self.max_num_seqs}) "
+                f"or 0 (auto), got {self.max_num_batched_tokens}"
+            )
         if self.prefill_chunk_size == 0:
             object.__setattr__(self, "prefill_chunk_size", UNCHUNKED_PREFILL)
         if self.prefill_chunk_size < self.page_size:

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.registry import model_config_from_hf
@@ -148,14 +149,12 @@ def main() -> int:
     for num_seqs, q_len, context in shapes:
         pages = -(-(context + q_len) // PAGE_SIZE)
         k_shape, v_shape = base.cache_shapes(num_seqs * pages, PAGE_SIZE)
-        batch = StepBatch(
-            tokens=jnp.ones((num_seqs, q_len), jnp.int32),
-            positions=jnp.tile(
-                jnp.arange(context, context + q_len, dtype=jnp.int32), (num_seqs, 1)
-            ),
-            q_lens=jnp.full((num_seqs,), q_len, jnp.int32),
-            kv_lens=jnp.full((num_seqs,), context + q_len, jnp.int32),
-            page_indices=jnp.arange(num_seqs * pages, dtype=jnp.int32).reshape(num_seqs, pages),
+        batch = StepBatch.padded(
+            tokens=np.ones((num_seqs, q_len), np.int32),
+            positions=np.tile(np.arange(context, context + q_len, dtype=np.int32), (num_seqs, 1)),
+            q_lens=np.full((num_seqs,), q_len, np.int32),
+            kv_lens=np.full((num_seqs,), context + q_len, np.int32),
+            page_indices=np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages),
         )
         steps = _compiled_steps(spec, models, batch, KVCache.zeros(k_shape, dtype, v_shape))
         times: dict[str, list[float]] = {name: [] for name in steps}

@@ -45,6 +45,7 @@ from jax_llm_runtime.api.cli.unix_socket import (
     unix_socket_path,
 )
 from jax_llm_runtime.runtime.config import (
+    CPU_BATCHED_TOKENS,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_ID,
     DTYPES,
@@ -295,8 +296,17 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         "--prefill-chunk-size",
         type=_int_at_least(0),
         default=8192,
-        help="most prompt tokens one step prefills for one sequence; 0 = no chunking, each "
-        "prompt in one step (default: %(default)s)",
+        help="most prompt tokens one step prefills for one sequence; 0 = no limit beyond "
+        "--max-num-batched-tokens (default: %(default)s)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=_int_at_least(0),
+        default=0,
+        help="most tokens one step runs: every running sequence's next token plus prefill "
+        "chunks of as many prompts as fit; smaller keeps running streams smooth while prompts "
+        f"arrive, larger prefills long prompts in fewer steps; 0 = {CPU_BATCHED_TOKENS} on CPU, "
+        "else --prefill-chunk-size plus --max-num-seqs (default: 0)",
     )
 
 
@@ -650,6 +660,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         kvcache_mem_mb=args.kvcache_mem_mb,
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
         isq=args.isq,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -30,7 +30,14 @@ from jax_llm_runtime.models.layers.params import (
     layer_axes,
 )
 from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope
-from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, attention, write_cache
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    KVCache,
+    attention,
+    paged_attention,
+    ragged_attention,
+    ragged_paged_attention,
+    write_cache_ragged,
+)
 
 
 @dataclass(frozen=True)
@@ -100,16 +107,16 @@ def layer_window(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
 
 def project_qkv(
     layer: Attention,  # one layer's attention (inside the layer scan)
-    x: jax.Array,  # [num_seqs, q_len, hidden]
-    positions: jax.Array,  # [num_seqs, q_len] int32
+    x: jax.Array,  # [..., hidden]: [num_tokens] of a step, [num_seqs, seq_len] without a cache
+    positions: jax.Array,  # [...] int32
     meta: LayerMeta,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [num_seqs, q_len, num_heads, head_dim] and k, v [num_seqs, q_len, num_kv_heads, head_dim],
-    with q and k normed (when configured), rotated, and q position-scaled (when configured)."""
-    cfg, (num_seqs, q_len, _) = layer.cfg, x.shape
-    q = layer.wq(x).reshape(num_seqs, q_len, cfg.num_heads, cfg.head_dim)
-    k = layer.wk(x).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
-    v = layer.wv(x).reshape(num_seqs, q_len, cfg.num_kv_heads, cfg.head_dim)
+    """q [..., num_heads, head_dim] and k, v [..., num_kv_heads, head_dim], with q and k normed
+    (when configured), rotated, and q position-scaled (when configured)."""
+    cfg, lead = layer.cfg, x.shape[:-1]
+    q = layer.wq(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = layer.wk(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = layer.wv(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if layer.q_norm is not None and layer.k_norm is not None:
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = _rotate(cfg, q, k, positions, meta)
@@ -139,20 +146,19 @@ def _rotate(
 
 def output_projection(
     layer: Attention,
-    out: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
-) -> jax.Array:  # [num_seqs, q_len, hidden]
-    num_seqs, q_len = out.shape[:2]
-    return layer.wo(out.reshape(num_seqs, q_len, layer.cfg.num_heads * layer.cfg.head_dim))
+    out: jax.Array,  # [..., num_heads, head_dim]
+) -> jax.Array:  # [..., hidden]
+    return layer.wo(out.reshape(*out.shape[:-2], layer.cfg.num_heads * layer.cfg.head_dim))
 
 
 def paged_self_attention(
     layer: Attention,  # one layer's attention (inside the layer scan)
-    x: jax.Array,  # [num_seqs, q_len, hidden]
+    x: jax.Array,  # [num_tokens, hidden]
     cache: KVCache,
     meta: LayerMeta,
     batch: StepBatch,
     native: bool = False,
-) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
+) -> tuple[jax.Array, KVCache]:  # [num_tokens, hidden]
     """Attention for one layer; this step's K/V are written to their pages before attending.
 
     ``native`` (``DecoderConfig.native_kernels``): native CPU kernels may run where this step runs;
@@ -160,23 +166,74 @@ def paged_self_attention(
     """
     cfg = layer.cfg
     q, k, v = project_qkv(layer, x, batch.positions, meta)
-    cache = write_cache(cache, meta.index, k, v, batch.positions, batch.q_lens, batch.page_indices)
-    out = attention(
+    cache = write_step_kv(cache, meta.index, k, v, batch)
+    out = step_attention(
         q,
-        cache.k,
-        cache.v,
+        (cache.k, cache.v, cache.k_scales, cache.v_scales),
         meta.index,
-        batch.positions,
-        batch.page_indices,
-        batch.kv_lens,
+        batch,
         scale=cfg.scale,
         sliding_window=layer_window(cfg, meta),
         soft_cap=cfg.soft_cap,
-        k_scales=cache.k_scales,
-        v_scales=cache.v_scales,
         native=native,
     )
     return output_projection(layer, out), cache
+
+
+def write_step_kv(
+    cache: KVCache,
+    layer: jax.Array,  # [] int32
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, v_head_dim]
+    batch: StepBatch,
+) -> KVCache:
+    """Write a step's new K/V rows to their pages (padding rows write nothing)."""
+    return write_cache_ragged(
+        cache, layer, k, v, batch.positions, batch.seq_ids, batch.valid, batch.page_indices
+    )
+
+
+def step_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    caches: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],  # K, V, row scales
+    layer: jax.Array,  # [] int32
+    batch: StepBatch,
+    *,
+    scale: float,
+    sliding_window: jax.Array | None = None,
+    soft_cap: float | None = None,
+    native: bool = False,
+    reference: bool = False,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    """Paged attention of a step's query rows, in the layout its shape says (static):
+
+    - one sequence (a lone prefill chunk) or one row per sequence (a decode step): the padded
+      contract, ``[1, num_tokens]`` or ``[num_seqs, 1]`` queries, on the op's chosen kernel;
+    - otherwise a mixed step (decode rows and prefill chunks of several sequences): the ragged
+      contract (``ragged_paged_attention``, ``q_starts``).
+
+    ``reference`` runs the jnp reference whatever the backend (MLA's absorbed queries).
+    """
+    num_seqs = batch.num_seqs
+    k_cache, v_cache, k_scales, v_scales = caches
+    kw = dict(
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+        v_scales=v_scales,
+    )  # fmt: skip
+    extra = {} if reference else {"native": native}
+    if num_seqs == 1 or batch.decode_rows:
+        rows = (None, slice(None)) if num_seqs == 1 else (slice(None), None)
+        padded = paged_attention if reference else attention
+        out = padded(
+            q[rows], k_cache, v_cache, layer, batch.positions[rows], batch.page_indices,
+            batch.kv_lens, **kw, **extra,
+        )  # fmt: skip
+        return out[0] if num_seqs == 1 else out[:, 0]
+    ragged = ragged_paged_attention if reference else ragged_attention
+    return ragged(
+        q, k_cache, v_cache, layer, batch.positions, batch.q_starts, batch.page_indices,
+        batch.kv_lens, **kw, **extra,
+    )  # fmt: skip
 
 
 def causal_self_attention(
@@ -258,12 +315,12 @@ class Attention(Block):
 
     def __call__(
         self,
-        x: jax.Array,  # [num_seqs, q_len, hidden]
+        x: jax.Array,  # [num_tokens, hidden]
         cache: KVCache,
         meta: LayerMeta,
         batch: StepBatch,
         native: bool = False,
-    ) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
+    ) -> tuple[jax.Array, KVCache]:  # [num_tokens, hidden]
         """``paged_self_attention`` with this layer's weights."""
         return paged_self_attention(self, x, cache, meta, batch, native)
 

@@ -94,11 +94,11 @@ class DecoderLayer(nnx.Module):
 
     def paged(
         self,
-        x: jax.Array,  # [num_seqs, q_len, hidden]
+        x: jax.Array,  # [num_tokens, hidden]
         cache: KVCache,
         meta: LayerMeta,
         batch: StepBatch,
-        valid: jax.Array,  # [num_seqs, q_len] bool
+        valid: jax.Array,  # [num_tokens] bool
         native: bool,
     ) -> tuple[jax.Array, KVCache]:
         """The layer over the paged cache (its new K/V written first)."""

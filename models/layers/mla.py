@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.attention import step_attention, write_step_kv
 from jax_llm_runtime.models.layers.linear import linear, projection
 from jax_llm_runtime.models.layers.norms import Norm, NormConfig, rms_norm
 from jax_llm_runtime.models.layers.params import (
@@ -55,8 +56,6 @@ from jax_llm_runtime.models.weights import WeightRule
 from jax_llm_runtime.pallas_kernels.paged_attention import (
     KVCache,
     kv_cache_shape,
-    paged_attention,
-    write_cache,
 )
 
 _MASKED = -1e30  # finite, so a padding row with no visible key stays finite instead of NaN
@@ -174,29 +173,28 @@ def mla_cache_shapes(
 
 def _queries(
     cfg: MLAConfig,
-    x: jax.Array,  # [num_seqs, q_len, hidden]
+    x: jax.Array,  # [..., hidden]
     lw: Mapping[str, jax.Array],  # one layer's weights (see the module docstring)
-    positions: jax.Array,  # [num_seqs, q_len] int32
+    positions: jax.Array,  # [...] int32
 ) -> tuple[jax.Array, jax.Array]:
-    """q_nope [num_seqs, q_len, num_heads, qk_nope_head_dim] and the rotated
-    q_pe [num_seqs, q_len, num_heads, qk_rope_head_dim]."""
-    num_seqs, q_len, _ = x.shape
+    """q_nope [..., num_heads, qk_nope_head_dim] and the rotated q_pe [..., num_heads,
+    qk_rope_head_dim], for x [..., hidden] (a step's [num_tokens], or [num_seqs, q_len])."""
     if cfg.q_lora_rank is None:
         q = linear(x, lw["wq"])
     else:
         q_a = linear(x, lw["wq_a"], lw["bq_a"] if cfg.attention_bias else None)
         q = linear(rms_norm(q_a, lw["q_a_norm"], cfg.norm_eps), lw["wq_b"])
-    q = q.reshape(num_seqs, q_len, cfg.num_heads, cfg.qk_head_dim)
+    q = q.reshape(*x.shape[:-1], cfg.num_heads, cfg.qk_head_dim)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, positions, cfg.rope)
 
 
 def _latents(
     cfg: MLAConfig,
-    x: jax.Array,  # [num_seqs, q_len, hidden]
+    x: jax.Array,  # [..., hidden]
     lw: Mapping[str, jax.Array],  # one layer's weights (see the module docstring)
-    positions: jax.Array,  # [num_seqs, q_len] int32
-) -> jax.Array:  # [num_seqs, q_len, cache_head_dim]
+    positions: jax.Array,  # [...] int32
+) -> jax.Array:  # [..., cache_head_dim]
     """Each token's cache row: the normed ``c_kv`` then its rotated, head-shared ``k_pe``."""
     kv_a = linear(x, lw["wkv_a"], lw["bkv_a"] if cfg.attention_bias else None)
     c_kv = rms_norm(kv_a[..., : cfg.kv_lora_rank], lw["kv_a_norm"], cfg.norm_eps)
@@ -215,12 +213,12 @@ def _split_kv_b(
 
 def paged_mla(
     cfg: MLAConfig,
-    x: jax.Array,  # [num_seqs, q_len, hidden]
+    x: jax.Array,  # [num_tokens, hidden]
     lw: Mapping[str, jax.Array],  # one layer's weights (see the module docstring)
     cache: KVCache,  # k: [num_layers, num_pages, page_size, 1, cache_head_dim]; v: unused
     layer: jax.Array,  # [] int32
     batch: StepBatch,
-) -> tuple[jax.Array, KVCache]:  # [num_seqs, q_len, hidden]
+) -> tuple[jax.Array, KVCache]:  # [num_tokens, hidden]
     """Attention for one layer in the absorbed form; this step's latents are written to their
     pages before attending. Visibility follows ``paged_attention`` (causal, ``kv_lens``)."""
     if cache.k.shape[3:] != (1, cfg.cache_head_dim):
@@ -228,35 +226,24 @@ def paged_mla(
             f"MLA cache k must end in (1, {cfg.cache_head_dim}), got shape {cache.k.shape}; "
             "build it with mla_cache_shapes"
         )
-    num_seqs, q_len, _ = x.shape
+    num_tokens = x.shape[0]
     q_nope, q_pe = _queries(cfg, x, lw, batch.positions)
-    latents = _latents(cfg, x, lw, batch.positions)[:, :, None, :]  # [.., q_len, 1, cache_dim]
-    no_v = jnp.zeros((num_seqs, q_len, 1, 0), cache.dtype)
-    cache = write_cache(
-        cache, layer, latents, no_v, batch.positions, batch.q_lens, batch.page_indices
-    )
+    latents = _latents(cfg, x, lw, batch.positions)[:, None, :]  # [num_tokens, 1, cache_dim]
+    no_v = jnp.zeros((num_tokens, 1, 0), cache.dtype)
+    cache = write_step_kv(cache, layer, latents, no_v, batch)
     w_uk, w_uv = _split_kv_b(cfg, lw["wkv_b"])
     # Absorption reassociates the products, so the latent-space query and output stay in
     # float32 and round only once, before the output projection.
     q_latent = jnp.einsum(
-        "sqhn,rhn->sqhr", q_nope, w_uk.astype(x.dtype), preferred_element_type=jnp.float32
-    )  # [num_seqs, q_len, num_heads, kv_lora_rank]
+        "thn,rhn->thr", q_nope, w_uk.astype(x.dtype), preferred_element_type=jnp.float32
+    )  # [num_tokens, num_heads, kv_lora_rank]
     q = jnp.concatenate([q_latent, q_pe.astype(jnp.float32)], axis=-1)
     # The latent row is both key and value; only its c_kv features are wanted as output.
-    out = paged_attention(
-        q,
-        cache.k,
-        cache.k,
-        layer,
-        batch.positions,
-        batch.page_indices,
-        batch.kv_lens,
-        scale=cfg.softmax_scale,
-        k_scales=cache.k_scales,
-        v_scales=cache.k_scales,
-    )[..., : cfg.kv_lora_rank]  # [num_seqs, q_len, num_heads, kv_lora_rank] float32
-    out = jnp.einsum("sqhr,rhv->sqhv", out, w_uv.astype(jnp.float32)).astype(x.dtype)
-    out = out.reshape(num_seqs, q_len, cfg.num_heads * cfg.v_head_dim)
+    latent_rows = (cache.k, cache.k, cache.k_scales, cache.k_scales)
+    out = step_attention(q, latent_rows, layer, batch, scale=cfg.softmax_scale, reference=True)
+    out = out[..., : cfg.kv_lora_rank]  # [num_tokens, num_heads, kv_lora_rank] float32
+    out = jnp.einsum("thr,rhv->thv", out, w_uv.astype(jnp.float32)).astype(x.dtype)
+    out = out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim)
     out = linear(out, lw["wo"], lw["bo"] if cfg.attention_bias else None)
     return out, cache
 

@@ -21,6 +21,7 @@ from jax_llm_runtime.pallas_kernels.paged_attention.layout import (
     to_stored,
     value_dtype,
     write_cache,
+    write_cache_ragged,
     write_kv,
 )
 from jax_llm_runtime.pallas_kernels.paged_attention.ops import attention, ragged_attention
@@ -45,5 +46,6 @@ __all__ = [
     "to_stored",
     "value_dtype",
     "write_cache",
+    "write_cache_ragged",
     "write_kv",
 ]

@@ -234,10 +234,43 @@ def write_cache(
     A float cache takes exactly ``write_kv``'s path. A float8 cache's zero-width V (MLA) is
     returned unchanged.
     """
-    if cache.k_scales is None:
-        k_cache, v_cache = write_kv(cache.k, cache.v, layer, k, v, positions, q_lens, page_indices)
-        return cache.replace(k=k_cache, v=v_cache)
     page, offset = _slots(cache.k.shape[1], cache.k.shape[2], positions, q_lens, page_indices)
+    return _write_rows(cache, layer, k, v, page, offset)
+
+
+def write_cache_ragged(
+    cache: KVCache,
+    layer: jax.Array,  # [] int32
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, v_head_dim]
+    positions: jax.Array,  # [num_tokens] int32
+    seq_ids: jax.Array,  # [num_tokens] int32, each token's sequence (row of page_indices)
+    valid: jax.Array,  # [num_tokens] bool, False for padding tokens (they write nothing)
+    page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
+) -> KVCache:
+    """``write_cache`` for a ragged run of tokens (``models.batch.StepBatch``): token ``t``
+    goes to page ``page_indices[seq_ids[t], positions[t] // page_size]`` at offset
+    ``positions[t] % page_size``."""
+    num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
+    logical_page = jnp.clip(positions // page_size, 0, page_indices.shape[1] - 1)
+    seq = jnp.clip(seq_ids, 0, page_indices.shape[0] - 1)
+    page = jnp.where(valid, jnp.asarray(page_indices)[seq, logical_page], num_pages)
+    return _write_rows(cache, layer, k, v, page, positions % page_size)
+
+
+def _write_rows(
+    cache: KVCache,
+    layer: jax.Array,  # [] int32
+    k: jax.Array,  # [..., num_kv_heads, head_dim]
+    v: jax.Array,  # [..., num_kv_heads, v_head_dim]
+    page: jax.Array,  # [...] int32, past the last page for rows that write nothing
+    offset: jax.Array,  # [...] int32
+) -> KVCache:
+    """Scatter rows of K and V to (page, offset); a float8 cache quantizes each row first."""
+    if cache.k_scales is None:
+        k_cache = cache.k.at[layer, page, offset].set(to_stored(k, cache.k.dtype), mode="drop")
+        v_cache = cache.v.at[layer, page, offset].set(to_stored(v, cache.v.dtype), mode="drop")
+        return cache.replace(k=k_cache, v=v_cache)
 
     def put(values: jax.Array, scales: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         xq, xs = quantize_rows(x)

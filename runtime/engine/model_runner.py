@@ -103,18 +103,18 @@ class ModelRunner:
         self.mirror: Callable[..., None] | None = None
 
     def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """(compile before serving, compile in the background), as (num_seqs, q_len, pages,
-        steps) keys: the single-step buckets of the shortest contexts first, since every new
-        request starts there; then the rest from short to long, multi-step decode last.
+        """(compile before serving, compile in the background), as (num_tokens, num_seqs,
+        pages, steps) keys: the single-step buckets of the shortest contexts first, since every
+        new request starts there; then the rest from short to long, multi-step decode last.
 
         Shapes are lowered from abstract values, so nothing runs: a bucket of 8192 prompt tokens
         costs its compile time only.
         """
         shapes = [(*s, 1) for s in self.plan.shapes()]
         if self.decode_steps > 1:
-            shapes += [(*s, self.decode_steps) for s in self.plan.shapes() if s[1] == 1]
+            shapes += [(*s, self.decode_steps) for s in self.plan.decode_shapes()]
         first = [s for s in shapes if s[2] == self.plan.pages[0] and s[3] == 1]
-        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[1], s[0]))
+        rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[0], s[1]))
         return first, rest
 
     def _lower(self, key: tuple[int, int, int, int]) -> Any:
@@ -132,8 +132,7 @@ class ModelRunner:
         are copied to the host only when a sequence that samples in this step asked.
         """
         step_batch, meta = self._prepare(batch)
-        shape = (*step_batch.tokens.shape, step_batch.page_indices.shape[1])
-        steps = batch.num_steps if (*shape, batch.num_steps) in self.compiled else 1
+        steps = batch.num_steps if (*_shape(step_batch), batch.num_steps) in self.compiled else 1
         if steps > 1:
             tokens, _ = self.execute(step_batch, meta, steps)
             return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
@@ -154,8 +153,8 @@ class ModelRunner:
             shared = meta if isinstance(meta.allowed, np.ndarray) else meta.replace(allowed=None)
             self.mirror("execute", step_batch, shared, steps)
         if meta.allowed is None:
-            meta = meta.replace(allowed=self._all_allowed[step_batch.tokens.shape[0]])
-        key = (*step_batch.tokens.shape, step_batch.page_indices.shape[1], steps)
+            meta = meta.replace(allowed=self._all_allowed[step_batch.num_seqs])
+        key = (*_shape(step_batch), steps)
         if steps > 1:
             tokens, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
             return tokens, None
@@ -183,29 +182,44 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
         items = batch.items
-        ps = self.plan.page_size
-        if batch.kind is StepKind.DECODE:
-            num_seqs, q_len = pick(self.plan.decode_seqs, len(items)), 1
-        else:
-            num_seqs, q_len = 1, pick(self.plan.prefill_lens, items[0].length)
+        num_tokens, num_seqs = self._bucket(batch)
         # A multi-step call writes num_steps - 1 positions past each sequence's current end.
         reach = batch.num_steps - 1
+        ps = self.plan.page_size
         pages = pick(self.plan.pages, max(-(-(i.start + i.length + reach) // ps) for i in items))
-        tokens = np.zeros((num_seqs, q_len), np.int32)
-        positions = np.zeros((num_seqs, q_len), np.int32)
-        q_lens = np.zeros(num_seqs, np.int32)
+        tokens, positions, seq_ids = np.zeros((3, num_tokens), np.int32)
+        q_starts = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         page_indices = np.zeros((num_seqs, pages), np.int32)
-        for row, item in enumerate(items):
-            seq, end = item.seq, item.start + item.length
-            tokens[row, : item.length] = seq.token_slice(item.start, end)
-            positions[row, : item.length] = np.arange(item.start, end)
-            q_lens[row], kv_lens[row] = item.length, end
-            page_indices[row, : len(seq.pages)] = seq.pages
+        row = 0
+        for s, item in enumerate(items):
+            seq, end, rows = item.seq, item.start + item.length, slice(row, row + item.length)
+            tokens[rows] = seq.token_slice(item.start, end)
+            positions[rows] = np.arange(item.start, end)
+            seq_ids[rows] = s
+            row += item.length
+            q_starts[s + 1 :] = row
+            kv_lens[s] = end
+            page_indices[s, : len(seq.pages)] = seq.pages
+        valid = np.arange(num_tokens) < row
+        last_rows = np.maximum(q_starts[1:] - 1, 0)
+        decode = batch.kind is StepKind.DECODE
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
-        step_batch = StepBatch(tokens, positions, q_lens, kv_lens, page_indices)
+        step_batch = StepBatch(
+            tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode
+        )
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """(num_tokens, num_seqs) of the compiled shape the batch is padded to."""
+        if batch.kind is StepKind.DECODE:
+            num_seqs = pick(self.plan.decode_seqs, len(batch.items))
+            return num_seqs, num_seqs
+        tokens = sum(i.length for i in batch.items)
+        if len(batch.items) == 1:
+            return pick(self.plan.prefill_lens, tokens), 1
+        return pick(self.plan.mixed_lens, tokens), self.plan.mixed_seqs
 
     def _allowed(self, items: tuple[ScheduledSeq, ...], num_seqs: int) -> Any:
         """The step's grammar bitmask: the constrained rows' masks on the host, or, when no
@@ -271,10 +285,11 @@ def _multi_step(
     def one(carry: tuple[KVCache, StepBatch, SamplingMetadata], _: None):
         cache, batch, meta = carry
         logits, cache = forward(config, weights, cache, batch)
+        # A decode batch: row s is sequence s's one token (num_tokens == num_seqs).
         tokens = sample(logits, meta).token_ids.astype(jnp.int32)  # [num_seqs]
         active = batch.q_lens > 0  # padding rows stay empty and write nothing
         batch = batch.replace(
-            tokens=tokens[:, None],
+            tokens=tokens,
             positions=batch.positions + 1,
             kv_lens=jnp.where(active, batch.kv_lens + 1, 0),
         )
@@ -330,16 +345,25 @@ def _host_logprobs(items: tuple[ScheduledSeq, ...], out: SamplerOutput) -> dict[
     return result
 
 
+def _shape(batch: StepBatch) -> tuple[int, int, int]:
+    """(num_tokens, num_seqs, pages): the bucket a prepared batch was padded to."""
+    return batch.tokens.shape[0], batch.num_seqs, batch.page_indices.shape[1]
+
+
 def _empty_inputs(
-    num_seqs: int, q_len: int, pages: int, vocab_size: int
+    num_tokens: int, num_seqs: int, pages: int, vocab_size: int
 ) -> tuple[StepBatch, SamplingMetadata]:
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
     batch = StepBatch(
-        zeros((num_seqs, q_len)),
-        zeros((num_seqs, q_len)),
-        zeros(num_seqs),
+        zeros(num_tokens),
+        zeros(num_tokens),
+        zeros(num_tokens),
+        np.zeros(num_tokens, bool),
+        zeros(num_seqs + 1),
         zeros(num_seqs),
         zeros((num_seqs, pages)),
+        zeros(num_seqs),
+        decode_rows=num_tokens == num_seqs,  # mixed steps have more tokens than sequences
     )
     return batch, empty_sampling_metadata(num_seqs, vocab_size)

@@ -1,11 +1,16 @@
 """Continuous batching: which sequences run in the next step, and what their results change.
 
-Sequences join the running set between steps and leave it when they finish. A step is either a
-prefill chunk of one sequence (at most ``prefill_chunk_size`` tokens, cut to fill a prefill
-bucket) or a decode for every running sequence (one token each, or ``decode_steps`` tokens when
-nothing else waits); when both kinds of work are waiting they alternate, so a long prompt delays
-running streams by at most one chunk at a time. When a decode needs a page and none is free, the
-newest running sequence is preempted: its pages are freed and it is recomputed later.
+Sequences join the running set between steps and leave it when they finish. A step is mixed:
+every running sequence that decodes adds its next token, and prefill chunks of the sequences
+still prefilling, then of waiting ones (oldest first, while the running set has room), fill
+the step up to ``max_num_batched_tokens`` tokens (each chunk at most ``prefill_chunk_size``;
+the last one cut so that the step fills a token bucket). So a long prompt delays running
+streams by one budget's worth of work per step, and a burst of short prompts is prefilled
+together. When nothing prefills, a decode step generates ``decode_steps`` tokens per sequence
+(multi-step) where it can. Where steps cannot mix (``mixed`` off: no native ragged attention,
+see ``runtime.loading.builder.mixed_steps``) a step is one prefill chunk or a decode of every
+running sequence, and when both wait they alternate. When a decode needs a page and none is free, the newest running
+sequence is preempted: its pages are freed and it is recomputed later.
 
 Prefix caching: every full page a sequence computes is registered under its prefix hash; a
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
@@ -22,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from jax_llm_runtime.runtime.engine.buckets import fit_chunk
+from jax_llm_runtime.runtime.engine.buckets import fit_tokens
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator, page_hash
 from jax_llm_runtime.runtime.engine.request import FinishReason
 from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
@@ -31,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+    PREFILL = "prefill"  # at least one prefill chunk, maybe with decode tokens (mixed)
+    DECODE = "decode"  # one token of every item: eligible for multi-step
 
 
 @dataclass(frozen=True)
@@ -72,19 +77,24 @@ class Scheduler:
         decode_steps: int = 1,
         prefill_lens: tuple[int, ...] = (),
         prefix_cache: bool = True,
+        max_num_batched_tokens: int | None = None,
+        mixed: bool = True,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.prefill_chunk_size = prefill_chunk_size
+        # The most tokens one step runs (default: one chunk besides every decode).
+        self.max_num_batched_tokens = max_num_batched_tokens or prefill_chunk_size + max_num_seqs
+        self.mixed = mixed
+        self._last_kind: StepKind | None = None  # alternating steps only
         self.decode_steps = decode_steps
         self.prefill_lens = prefill_lens  # the runner's prefill buckets; chunks are cut to fit
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_kind: StepKind | None = None
         self.num_preemptions = 0
         self.num_cache_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hit_tokens = 0  # ... and found there
@@ -114,26 +124,50 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work, allocating the pages it writes; None when idle."""
-        prefill = self._next_prefill()
+        if not self.mixed:
+            return self._alternating()
         decodes = [s for s in self.running if s.num_pending == 1]
-        if prefill is not None and (not decodes or self._last_kind is not StepKind.PREFILL):
-            self._last_kind = StepKind.PREFILL
-            return ScheduledBatch(StepKind.PREFILL, (prefill,))
+        prefill_waits = self._prefill_waits()
+        steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
+        decodes = self._reserve_decode_pages(decodes, steps)
+        items = tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
+        chunks = self._prefill_chunks(len(items)) if prefill_waits else ()
+        if chunks:
+            return ScheduledBatch(StepKind.PREFILL, items + chunks)
+        if not items:
+            return None
+        return ScheduledBatch(StepKind.DECODE, items, steps)
+
+    def _alternating(self) -> ScheduledBatch | None:
+        """One prefill chunk or a decode of every running sequence, alternating when both
+        wait."""
+        decodes = [s for s in self.running if s.num_pending == 1]
+        prefill_waits = self._prefill_waits()
+        if prefill_waits and (not decodes or self._last_kind is not StepKind.PREFILL):
+            chunks = self._prefill_chunks(0, limit=1)
+            if chunks:
+                self._last_kind = StepKind.PREFILL
+                return ScheduledBatch(StepKind.PREFILL, chunks)
         if not decodes:
             return None
-        steps = self._decode_steps(decodes, prefill is not None)
+        steps = 1 if prefill_waits else self._decode_steps(decodes)
         decodes = self._reserve_decode_pages(decodes, steps)
         self._last_kind = StepKind.DECODE
-        return ScheduledBatch(
-            StepKind.DECODE, tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes), steps
-        )
+        items = tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
+        return ScheduledBatch(StepKind.DECODE, items, steps) if items else None
 
-    def _decode_steps(self, decodes: list[Sequence], prefill_waits: bool) -> int:
+    def _prefill_waits(self) -> bool:
+        """Whether a running sequence is mid-prefill or a waiting one could start."""
+        if any(s.num_pending > 1 for s in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
+    def _decode_steps(self, decodes: list[Sequence]) -> int:
         """``decode_steps`` when nothing else waits, every sequence has room for that many more
         positions, none needs per-token host work (logprobs, penalties, stop tokens banned
         until min_tokens) and the pages for all of them are free without preempting; else 1."""
         k = self.decode_steps
-        if k == 1 or prefill_waits or self.waiting:
+        if k == 1 or self.waiting:
             return 1
         needed = 0
         for seq in decodes:
@@ -214,17 +248,38 @@ class Scheduler:
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
 
-    def _next_prefill(self) -> ScheduledSeq | None:
-        """The running sequence mid-prefill, else the next waiting one if it fits now."""
-        seq = next((s for s in self.running if s.num_pending > 1), None)
-        if seq is None:
-            if not self.waiting or len(self.running) >= self.max_num_seqs:
-                return None
-            seq = self.waiting[0]
+    def _prefill_chunks(self, used: int, limit: int | None = None) -> tuple[ScheduledSeq, ...]:
+        """Prefill chunks (at most ``limit``) for a step that already runs ``used`` decode
+        tokens: sequences mid-prefill first, then waiting ones in order while the running set
+        has room, until the token budget is spent or a chunk's pages cannot be allocated."""
+        chunks: list[ScheduledSeq] = []
+        mid = [s for s in self.running if s.num_pending > 1]
+        for seq in mid + list(self.waiting):
+            if limit is not None and len(chunks) == limit:
+                break
+            room = self.max_num_batched_tokens - used
+            if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
+                break
+            chunk = self._prefill_chunk(seq, room)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            used += chunk.length
+        if chunks and self.prefill_lens:  # the last chunk is cut so that the step fills a bucket
+            last = chunks[-1]
+            length = fit_tokens(self.prefill_lens, used - last.length, last.length)
+            chunks[-1] = ScheduledSeq(last.seq, last.start, length)
+        return tuple(chunks)
+
+    def _has_room(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
+    def _prefill_chunk(self, seq: Sequence, room: int) -> ScheduledSeq | None:
+        """The sequence's next chunk (at most ``room`` tokens), its pages allocated and a
+        waiting sequence moved to the running set; None when its pages cannot be allocated now.
+        (A chunk cut shorter afterwards keeps its pages for the next one.)"""
         reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
-        length = min(seq.num_pending, self.prefill_chunk_size)
-        if self.prefill_lens:
-            length = fit_chunk(self.prefill_lens, seq.num_pending, self.prefill_chunk_size)
+        length = min(seq.num_pending, self.prefill_chunk_size, room)
         needed = self._pages_needed(seq, seq.num_computed + length)
         if not self.allocator.can_allocate(needed):
             if reused:  # give the cached pages back until it can start
@@ -232,7 +287,7 @@ class Scheduler:
             return None
         seq.pages += self.allocator.allocate(needed)
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if self.prefix_cache and seq.num_preemptions == 0:

@@ -10,11 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_llm_runtime.models.layers.mla import MLAConfig
 from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
 from jax_llm_runtime.pallas_kernels import native
 from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
+from jax_llm_runtime.pallas_kernels.paged_attention.ops import ragged_implementation
 from jax_llm_runtime.runtime.config import EngineConfig
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan
 from jax_llm_runtime.runtime.engine.core import Engine
@@ -158,10 +160,18 @@ def _build_replica(
     num_pages, max_model_len = _size_cache(config, model_config, kv_dtype)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None
+    abstract_cache = _abstract_cache(k_shape, kv_dtype, v_shape)
     if mesh is not None:
-        cache_shardings = cache_sharding(_abstract_cache(k_shape, kv_dtype, v_shape), mesh)
+        cache_shardings = cache_sharding(abstract_cache, mesh)
+    budget = config.batched_tokens(jax.default_backend(), max_model_len)
+    mixed = mixed_steps(model_config, abstract_cache, dtype)
     plan = BucketPlan.build(
-        config.max_num_seqs, max_model_len, config.prefill_chunk_size, config.page_size
+        config.max_num_seqs,
+        max_model_len,
+        config.prefill_chunk_size,
+        config.page_size,
+        budget,
+        mixed=mixed,
     )
     decode_steps = config.decode_steps or (
         CPU_DECODE_STEPS if jax.default_backend() == "cpu" else 8
@@ -187,6 +197,8 @@ def _build_replica(
         decode_steps=decode_steps,
         prefill_lens=plan.prefill_lens,
         prefix_cache=config.prefix_cache,
+        max_num_batched_tokens=budget,
+        mixed=mixed,
     )
     name = config.served_model_name or files.name
     embedder = None
@@ -252,6 +264,25 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     if allowed and not calibration.calibrate():
         logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
     return dataclasses.replace(model_config, native_kernels=allowed)
+
+
+def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
+    """Whether a step mixes decode rows with prefill chunks of several sequences: where the
+    ragged attention runs on its native CPU kernel. Elsewhere (a device mesh, accelerators,
+    MLA's absorbed attention) the ragged contract has only its jnp reference, which reads each
+    row's whole page table, so a step is one kind of work and the two kinds alternate."""
+    if not model_config.native_kernels or isinstance(model_config.attention, MLAConfig):
+        choice = False
+    else:
+        q = jax.ShapeDtypeStruct((2, 1, model_config.head_dim), dtype)
+        choice = ragged_implementation("auto", q, cache.k, cache.v, 2, native_ok=True) == "native"
+    logger.info(
+        "steps: %s",
+        "mixed (decode rows and prefill chunks together)"
+        if choice
+        else "a decode or prefill chunks alone, alternating (no native ragged attention here)",
+    )
+    return choice
 
 
 def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:

@@ -182,13 +182,16 @@ def test_w_with_f_picks_a_file_of_the_folder(
     )
 
 
-def test_prefill_chunk_size_0_prefills_each_prompt_in_one_step(
+def test_prefill_chunk_size_0_leaves_only_the_step_budget(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = parse("--prefill-chunk-size 0", capsys, monkeypatch).engine
     assert engine.prefill_chunk_size == UNCHUNKED_PREFILL
-    plan = BucketPlan.build(4, 40960, engine.prefill_chunk_size, engine.page_size)
-    assert max(plan.prefill_lens) == 40960  # the largest prefill step: the whole context
+    budget = engine.batched_tokens("gpu", 40960)  # off CPU the budget follows the chunk
+    seqs = engine.max_num_seqs
+    plan = BucketPlan.build(seqs, 40960, engine.prefill_chunk_size, engine.page_size, budget)
+    assert plan.max_chunk == 40960  # the largest prefill step: the whole context
+    assert max(plan.prefill_lens) == 40960 + seqs  # with a decode token of every other sequence
     assert parse("--prefill-chunk-size 8192", capsys, monkeypatch).engine.prefill_chunk_size == 8192
 
 

@@ -99,7 +99,7 @@ class PagedRunner:
             tokens[i, : len(toks)] = toks
             positions[i, : len(toks)] = np.arange(self.kv_lens[i], self.kv_lens[i] + len(toks))
         kv_lens = np.where(q_lens > 0, self.kv_lens + q_lens, 0).astype(np.int32)
-        batch = StepBatch(tokens, positions, q_lens, kv_lens, self.page_indices)
+        batch = StepBatch.padded(tokens, positions, q_lens, kv_lens, self.page_indices)
         logits, self.cache = self.forward(self.model.config, self.model.weights, self.cache, batch)
         self.kv_lens = self.kv_lens + q_lens
         return np.asarray(logits)
@@ -123,19 +123,24 @@ def check_last_logits(model: Loaded, hf_model: Any, ids: list[list[int]]) -> Non
 
 
 def greedy_paged(model: Loaded, ids: list[list[int]]) -> list[list[int]]:
-    """Chunked prefill of all prompts together, then one token per sequence per step."""
+    """Mixed steps, as the engine runs them: every sequence whose prompt is in decodes one token
+    per step while the longer prompts are still prefilled ``PREFILL_CHUNK`` tokens at a time in
+    the same steps (a step of decode rows and prefill chunks of several sequences)."""
     runner = PagedRunner(model, max(map(len, ids)) + NEW_TOKENS, len(ids), seed=1)
-    first = [0] * len(ids)
-    for start in range(0, max(map(len, ids)), PREFILL_CHUNK):
-        logits = runner.step([p[start : start + PREFILL_CHUNK] for p in ids])
-        for i, p in enumerate(ids):
-            if start < len(p) <= start + PREFILL_CHUNK:
-                first[i] = int(logits[i].argmax())
-    out = [[t] for t in first]
-    for _ in range(NEW_TOKENS - 1):
-        logits = runner.step([[seq[-1]] for seq in out])
-        for seq, row in zip(out, logits, strict=True):
-            seq.append(int(row.argmax()))
+    out: list[list[int]] = [[] for _ in ids]
+    done = [0] * len(ids)  # prompt tokens fed so far
+    while any(len(o) < NEW_TOKENS for o in out):
+        new = []
+        for prompt, seq, fed in zip(ids, out, done, strict=True):
+            if fed < len(prompt):
+                new.append(prompt[fed : fed + PREFILL_CHUNK])
+            else:
+                new.append([seq[-1]] if len(seq) < NEW_TOKENS else [])
+        logits = runner.step(new)
+        for i, chunk in enumerate(new):
+            done[i] += len(chunk) if done[i] < len(ids[i]) else 0
+            if chunk and done[i] == len(ids[i]):
+                out[i].append(int(logits[i].argmax()))
     return out
 
 

@@ -86,7 +86,7 @@ def _whole_cache_converts(model, cache: KVCache, page_indices: np.ndarray) -> li
     cache's shape."""
     ones = np.ones(len(page_indices), np.int32)
     zeros = np.zeros((len(page_indices), 1), np.int32)
-    batch = StepBatch(zeros, zeros, ones, ones, page_indices)
+    batch = StepBatch.padded(zeros, zeros, ones, ones, page_indices)
     step = jax.jit(model.spec.forward, static_argnums=0, donate_argnums=2)
     hlo = step.lower(model.config, model.weights, cache, batch).compile().as_text()
     shape = "[" + ",".join(map(str, cache.k.shape)) + "]"

@@ -190,16 +190,30 @@ class PagedMLA:
             x[i, : len(xi)] = xi
             positions[i, : len(xi)] = np.arange(self.kv_lens[i], self.kv_lens[i] + len(xi))
         kv_lens = np.where(q_lens > 0, self.kv_lens + q_lens, 0).astype(np.int32)
-        batch = StepBatch(np.zeros_like(positions), positions, q_lens, kv_lens, self.page_indices)
+        batch = StepBatch.padded(
+            np.zeros_like(positions), positions, q_lens, kv_lens, self.page_indices
+        )
+        # The step's rows as the batch lays them out: each sequence's tokens in turn, then padding
+        # (with q_len 1, row i is sequence i).
+        keep = np.arange(q_len)[None, :] < q_lens[:, None]
+        flat = x.reshape(num_seqs, HIDDEN) if q_len == 1 else np.zeros((x.size // HIDDEN, HIDDEN))
+        if q_len > 1:
+            flat[: keep.sum()] = x[keep]
+        starts = np.arange(num_seqs) if q_len == 1 else np.asarray(batch.q_starts[:-1])
         outs = []
         for layer in range(NUM_LAYERS):
             lw = self.ref.layer_weights(layer)
             out, self.cache = self.attend(
-                self.ref.cfg, jnp.asarray(x), lw, self.cache, jnp.int32(layer), batch
+                self.ref.cfg,
+                jnp.asarray(flat, jnp.float32),
+                lw,
+                self.cache,
+                jnp.int32(layer),
+                batch,
             )
             out = np.asarray(out)
             assert np.isfinite(out).all()
-            outs.append([out[i, : len(xi)] for i, xi in enumerate(xs)])
+            outs.append([out[s : s + len(xi)] for s, xi in zip(starts, xs, strict=True)])
         self.kv_lens = self.kv_lens + q_lens
         return outs
 
@@ -306,6 +320,6 @@ def test_config_validation():
     cfg = MLAConfig(**base)
     cache = KVCache(k=jnp.zeros((1, 2, 4, 1, 16)), v=jnp.zeros((1, 2, 4, 1, 16)))
     ids = jnp.zeros((1, 1), jnp.int32)
-    batch = StepBatch(ids, ids, jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32), ids)
+    batch = StepBatch.padded(ids, ids, np.ones(1, np.int32), np.ones(1, np.int32), ids)
     with pytest.raises(ValueError, match="mla_cache_shapes"):
-        paged_mla(cfg, jnp.zeros((1, 1, HIDDEN)), {}, cache, jnp.int32(0), batch)
+        paged_mla(cfg, jnp.zeros((1, HIDDEN)), {}, cache, jnp.int32(0), batch)

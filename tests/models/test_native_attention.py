@@ -59,7 +59,7 @@ def _compiled_decode_step(model: Loaded) -> tuple[str, str]:
     the HLO type of the K cache."""
     runner = PagedRunner(model, 8, 2)
     ones = np.ones(2, np.int32)
-    batch = StepBatch(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32), ones, ones,
+    batch = StepBatch.padded(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32), ones, ones,
                       runner.page_indices)  # fmt: skip
     step = jax.jit(model.spec.forward, static_argnums=0, donate_argnums=2)
     hlo = step.lower(model.config, model.weights, runner.cache, batch).compile().as_text()

@@ -52,7 +52,7 @@ def _load(path, native: bool) -> Loaded:
 def _decode_hlo(model: Loaded) -> str:
     runner = PagedRunner(model, 16, 2)
     ones = np.ones(2, np.int32)
-    batch = StepBatch(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32), ones, ones,
+    batch = StepBatch.padded(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32), ones, ones,
                       runner.page_indices)  # fmt: skip
     step = jax.jit(model.spec.forward, static_argnums=0, donate_argnums=2)
     return step.lower(model.config, model.weights, runner.cache, batch).compile().as_text()

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from jax_llm_runtime.models.llama import llama_config_from_hf
+from jax_llm_runtime.models.families.llama import llama_config_from_hf
 from jax_llm_runtime.pallas_kernels import native
 from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 from jax_llm_runtime.runtime.loading import builder

@@ -43,10 +43,10 @@ def hf(hf_smollm2):
 
 
 async def collect(
-    engine, ids: list[int], request_id: str, max_tokens: int = NEW_TOKENS
+    engine, ids: list[int], request_id: str, max_tokens: int = NEW_TOKENS, **sampling_fields
 ) -> list[int]:
     out: list[int] = []
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling_fields)
     async for delta in engine.generate(ids, sampling, request_id):
         out += delta.token_ids
     return out
@@ -97,7 +97,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     pages = -(-n // runner.plan.page_size)
     k_shape, v_shape = runner.config.cache_shapes(pages, runner.plan.page_size)
     cache = KVCache.zeros(k_shape, np.float32, v_shape)
-    batch = StepBatch(
+    batch = StepBatch.padded(
         tokens=np.asarray([ids], np.int32),
         positions=np.arange(n, dtype=np.int32)[None],
         q_lens=np.asarray([n], np.int32),
@@ -118,6 +118,43 @@ def test_concurrent_requests_give_the_same_tokens_as_one_at_a_time(engine):
         )
 
     assert asyncio.run(together()) == alone
+
+
+def test_prompts_arriving_mid_stream_share_steps_and_give_the_same_tokens(engine):
+    """Prompts submitted while others decode are prefilled in the running sequences' steps
+    (decode rows and prefill chunks of several sequences in one step), and every request's
+    greedy tokens are those it gets alone."""
+    prompts = [chat_ids(engine, p) for p in PROMPTS[:5]]
+    early = {"max_tokens": 256, "ignore_eos": True}  # still decoding when the others arrive
+    alone = [asyncio.run(collect(engine, ids, f"solo-{i}")) for i, ids in enumerate(prompts)]
+    alone[0] = asyncio.run(collect(engine, prompts[0], "solo-early", **early))
+    steps: list[list[tuple[int, int]]] = []  # per step: (start, length) of each item
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if batch is not None:
+            steps.append([(item.start, item.length) for item in batch.items])
+        return batch
+
+    async def staggered():
+        stream = engine.generate(prompts[0], SamplingParams(temperature=0.0, **early), "early-0")
+        first = await anext(stream)  # its prompt is in: the others arrive while it decodes
+        rest = [collect(engine, ids, f"late-{i}") for i, ids in enumerate(prompts[1:], 1)]
+        late = asyncio.ensure_future(asyncio.gather(*rest))
+        out = list(first.token_ids)
+        async for delta in stream:
+            out += delta.token_ids
+        return [out, *await late]
+
+    engine.scheduler.schedule = recorded
+    try:
+        together = asyncio.run(staggered())
+    finally:
+        engine.scheduler.schedule = schedule
+    assert together == alone
+    mixed = [s for s in steps if any(n == 1 for _, n in s) and sum(n > 1 for _, n in s) >= 2]
+    assert mixed, f"no step decoded while it prefilled two prompts: {steps}"
 
 
 def test_serving_varied_lengths_compiles_nothing_after_warmup(engine):

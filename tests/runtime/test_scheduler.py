@@ -2,15 +2,35 @@ import pytest
 
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
 from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
-from jax_llm_runtime.runtime.engine.scheduler import Scheduler, StepKind
+from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepKind
 from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 
 
-def make(num_pages=16, page_size=4, max_num_seqs=4, chunk=8, max_model_len=64, prefix_cache=True):
+def make(
+    num_pages=16,
+    page_size=4,
+    max_num_seqs=4,
+    chunk=8,
+    max_model_len=64,
+    prefix_cache=True,
+    budget=None,
+    prefill_lens=(),
+    mixed=True,
+):
     alloc = PageAllocator(num_pages, page_size)
-    sched = Scheduler(alloc, max_num_seqs, max_model_len, chunk, [EOS], prefix_cache=prefix_cache)
+    sched = Scheduler(
+        alloc,
+        max_num_seqs,
+        max_model_len,
+        chunk,
+        [EOS],
+        prefill_lens=prefill_lens,
+        prefix_cache=prefix_cache,
+        max_num_batched_tokens=budget,
+        mixed=mixed,
+    )
     return sched, alloc
 
 
@@ -58,18 +78,15 @@ def test_eos_and_stop_tokens_finish_and_ignore_eos_does_not():
     a, b, c = seq(3), seq(3, stop_token_ids=(9,)), seq(3, ignore_eos=True)
     for s in (a, b, c):
         sched.add(s)
-    batch = sched.schedule()
-    run(sched, batch, token=5)  # a's prefill; afterwards prefills and decodes alternate
-    run(sched, sched.schedule(), token=5)  # a decodes
-    run(sched, sched.schedule(), token=5)  # b's prefill
-    run(sched, sched.schedule(), token=5)  # a and b decode
-    run(sched, sched.schedule(), token=5)  # c's prefill
+    batch = sched.schedule()  # one step prefills all three
+    assert batch.kind is StepKind.PREFILL and [i.seq for i in batch.items] == [a, b, c]
+    run(sched, batch, token=5)
     batch = sched.schedule()
     assert batch.kind is StepKind.DECODE and len(batch.items) == 3
     sched.update(batch, [[EOS], [9], [EOS]])
     assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.STOP
     assert c.status is SequenceStatus.RUNNING and c.output_ids == [5, EOS]
-    assert a.output_ids == [5, 5, 5, EOS] and b.output_ids == [5, 5, 9]
+    assert a.output_ids == [5, EOS] and b.output_ids == [5, 9]
 
 
 def test_max_num_seqs_bounds_the_running_set():
@@ -84,18 +101,62 @@ def test_max_num_seqs_bounds_the_running_set():
     assert seqs[2].status is SequenceStatus.WAITING
 
 
-def test_prefill_and_decode_alternate():
+def test_a_new_prompt_is_prefilled_in_the_running_decodes_steps():
+    """Every step decodes the running sequence and takes one chunk of the new prompt."""
     sched, _ = make(chunk=4)
     first = seq(2, max_tokens=10)
     sched.add(first)
     run(sched, sched.schedule())
+    second = seq(12)
+    sched.add(second)
+    steps = []
+    for _ in range(4):
+        b = sched.schedule()
+        steps.append((b.kind, [(i.seq, i.start, i.length) for i in b.items]))
+        run(sched, b)
+    mixed = StepKind.PREFILL
+    assert steps == [
+        (mixed, [(first, 2, 1), (second, 0, 4)]),
+        (mixed, [(first, 3, 1), (second, 4, 4)]),
+        (mixed, [(first, 4, 1), (second, 8, 4)]),
+        (StepKind.DECODE, [(first, 5, 1), (second, 12, 1)]),
+    ]
+
+
+def test_without_mixed_steps_prefill_and_decode_alternate():
+    """Where attention has no native ragged kernel, a step is one prefill chunk or a decode."""
+    sched, _ = make(chunk=4, mixed=False)
+    first = seq(2, max_tokens=10)
+    sched.add(first)
+    run(sched, sched.schedule())
     sched.add(seq(12))
+    sched.add(seq(3))
     kinds = []
     for _ in range(4):
         b = sched.schedule()
+        assert b.kind is StepKind.DECODE or len(b.items) == 1
         kinds.append(b.kind)
         run(sched, b)
     assert kinds == [StepKind.DECODE, StepKind.PREFILL, StepKind.DECODE, StepKind.PREFILL]
+
+
+def test_the_token_budget_bounds_a_step():
+    """Decode tokens count against max_num_batched_tokens; chunks of several prompts fill the
+    rest, the last one cut to fill a token bucket."""
+    sched, _ = make(num_pages=64, max_num_seqs=8, chunk=16, budget=20, prefill_lens=(8, 16, 20))
+    running = [seq(2, max_tokens=50) for _ in range(2)]
+    for s in running:
+        sched.add(s)
+    run(sched, sched.schedule())  # both prefilled together: 4 tokens
+    waiting = [seq(10), seq(10), seq(10)]
+    for s in waiting:
+        sched.add(s)
+    b = sched.schedule()
+    lengths = [(i.seq, i.length) for i in b.items]
+    # 2 decode tokens, then 10 + 8: the second prompt is cut so that the step fills 20 tokens.
+    assert lengths == [(running[0], 1), (running[1], 1), (waiting[0], 10), (waiting[1], 8)]
+    assert waiting[2].status is SequenceStatus.WAITING
+    assert sum(i.length for i in b.items) <= 20
 
 
 def test_abort_frees_pages_wherever_the_sequence_is():
@@ -116,9 +177,11 @@ def test_preemption_when_pages_run_out_recomputes_the_newest(prefix_cache):
     old, new = seq(4, max_tokens=20), seq(4, max_tokens=20)
     for s in (old, new):
         sched.add(s)
+    sched.waiting.remove(new)
     run(sched, sched.schedule())  # old: prefill, one page
     run(sched, sched.schedule())  # old: decode at position 4 takes a second page
-    run(sched, sched.schedule())  # new: prefill, one page
+    sched.add(new)
+    run(sched, sched.schedule())  # old decodes, new is prefilled: one page
     run(sched, sched.schedule())  # both decode; new takes its second page: the cache is full
     assert alloc.num_free == 0
     while len(old.pages) * 4 >= old.num_tokens:  # until old's next token needs a third page
@@ -154,11 +217,12 @@ def test_forks_share_the_prompt_pages_and_recompute_only_the_last_partial_page()
     for fork in forks:
         assert fork.pages == shared and fork.num_computed == 8
     assert all(alloc.ref_count(p) == 3 for p in shared)
-    b = sched.schedule()  # parent decodes (prefill and decode alternate)
-    run(sched, b)
-    b = sched.schedule()
-    assert b.kind is StepKind.PREFILL and (b.items[0].start, b.items[0].length) == (8, 2)
-    assert b.items[0].seq is forks[0] and b.items[0].reaches_end
+    b = sched.schedule()  # the parent decodes; each fork recomputes from its last shared page
+    assert b.kind is StepKind.PREFILL
+    assert [(i.seq, i.start, i.length) for i in b.items] == [
+        (parent, 10, 1), (forks[0], 8, 2), (forks[1], 8, 2)
+    ]  # fmt: skip
+    assert all(i.reaches_end for i in b.items)
     while sched.has_work():
         run(sched, sched.schedule())
     assert all(len(s.output_ids) == 3 for s in [parent, *forks])
@@ -284,9 +348,9 @@ def test_a_shared_prefix_is_computed_once(prefix_cache):
     run(sched, sched.schedule())
     second = prompt_seq([*range(1, 9), 50, 51, 52])  # shares the first two full pages
     sched.add(second)
-    run(sched, sched.schedule())  # first decodes (prefill and decode alternate)
-    b = sched.schedule()
-    assert b.kind is StepKind.PREFILL and b.items[0].seq is second
+    b = sched.schedule()  # first decodes, second is prefilled in the same step
+    assert b.kind is StepKind.PREFILL and [i.seq for i in b.items] == [first, second]
+    b = ScheduledBatch(b.kind, b.items[1:])  # the prefill of second, as checked below
     if prefix_cache:
         assert (b.items[0].start, b.items[0].length) == (8, 3)
         assert second.pages[:2] == first.pages[:2] and second.num_cached_tokens == 8

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
-from jax_llm_runtime.models.llama import WEIGHT_RULES, sliding_flags
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.llama import WEIGHT_RULES, sliding_flags
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.weights import nested_rules
 
 

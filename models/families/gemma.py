@@ -9,16 +9,16 @@ import math
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
-from jax_llm_runtime.models.layers.norms import NormConfig
-from jax_llm_runtime.models.layers.rotary import RopeConfig, rope_from_hf
-from jax_llm_runtime.models.llama import (
+from jax_llm_runtime.models.families.llama import (
     ATTENTION_RULES,
     GATED_MLP_RULES,
     GLOBAL_RULES,
     LAYER,
     sliding_flags,
 )
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.layers.norms import NormConfig
+from jax_llm_runtime.models.layers.rotary import RopeConfig, rope_from_hf
 from jax_llm_runtime.models.weights import WeightRule, nested_rules
 
 

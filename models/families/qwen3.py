@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.qwen2 import qwen_sliding_layers
 from jax_llm_runtime.models.layers.norms import NormConfig
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
-from jax_llm_runtime.models.qwen2 import qwen_sliding_layers
 
 
 def config_from_hf(hf: dict[str, Any]) -> DecoderConfig:

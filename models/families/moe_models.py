@@ -11,12 +11,12 @@ import dataclasses
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.families.llama import LAYER, WEIGHT_RULES
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.qwen2 import qwen_sliding_layers
 from jax_llm_runtime.models.layers.mla import MLA_WEIGHT_RULES, mla_config_from_hf
 from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
-from jax_llm_runtime.models.llama import LAYER, WEIGHT_RULES
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
-from jax_llm_runtime.models.qwen2 import qwen_sliding_layers
 from jax_llm_runtime.models.weights import WeightRule
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
-from jax_llm_runtime.models.llama import sliding_flags
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.llama import sliding_flags
 
 
 def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[tuple[bool, ...], int | None]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
+from jax_llm_runtime.models.families.llama import LAYER, WEIGHT_RULES
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.layers.norms import NormConfig
-from jax_llm_runtime.models.llama import LAYER, WEIGHT_RULES
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.weights import WeightRule
 
 

@@ -7,14 +7,14 @@ import dataclasses
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
-from jax_llm_runtime.models.llama import (
+from jax_llm_runtime.models.families.llama import (
     ATTENTION_RULES,
     DOWN_RULE,
     FUSED_GATE_UP_RULE,
     GLOBAL_RULES,
     LAYER,
 )
-from jax_llm_runtime.models.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.weights import WeightRule
 
 
