@@ -19,9 +19,9 @@ DEFAULT_MAX_WAITING = 256
 # context, so each prompt is prefilled in one step (the buckets and the scheduler cap a chunk at
 # max_model_len).
 UNCHUNKED_PREFILL = 1 << 30
-# The token budget of a step on CPU (max_num_batched_tokens 0): a step of 16 decodes plus a
-# 256-token chunk of SmolLM2-135M takes ~0.4 s on 2 cores, so running streams see at most that
-# gap while a long prompt is prefilled (BENCHMARKS.md, "Mixed batches").
+# The token budget of a step on CPU (max_num_batched_tokens 0): with SmolLM2-135M on 2 cores,
+# 16 streams saw gaps of 170 ms at p99 (0.56 s at most) while 2,000-token prompts arrived; 128
+# or 64 narrow the gaps but cost throughput and burst TTFT (BENCHMARKS.md, "Mixed batches").
 CPU_BATCHED_TOKENS = 256
 
 
