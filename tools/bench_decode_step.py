@@ -8,7 +8,11 @@ best and median round per format are printed, with the ratio to the first format
 is donated to each step, as the server does.
 
     .venv/bin/python tools/bench_decode_step.py --formats packed,packed-bf16 --num-seqs 1,16 \
-        --prefill 128,512
+        --prefill 128,512 --mixed 15+49,15+241
+
+``--mixed D+P`` times a mixed step (the scheduler's, ``runtime.engine.scheduler``): ``D``
+sequences decoding one token each at ``--context`` plus one prompt chunk of ``P`` tokens, one
+ragged run of exactly ``D + P`` tokens.
 
 ``float`` dequantizes a quantized checkpoint to float32 at load; ``packed`` keeps its quantized
 tensors packed (what runtime-serve does); any ``--isq`` type re-quantizes the projections. A
@@ -72,6 +76,11 @@ def _parse_args() -> argparse.Namespace:
         "--prefill", default="", help="comma-separated prompt lengths of one-sequence prefills"
     )
     parser.add_argument(
+        "--mixed",
+        default="",
+        help="comma-separated D+P: D decoding sequences and one P-token prompt chunk in one step",
+    )
+    parser.add_argument(
         "--context", type=int, default=128, help="KV positions per decoding sequence"
     )
     parser.add_argument("--dtype", default="float32")
@@ -130,6 +139,49 @@ def _compiled_steps(spec: Any, models: dict, batch: Any, cache: Any) -> dict[str
     return steps
 
 
+def _batches(args: argparse.Namespace) -> list[tuple[str, StepBatch, int, int]]:
+    """(label, batch, pages of its cache, calls per timing) of every requested step."""
+    out = []
+    shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
+    shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
+    for num_seqs, q_len, context in shapes:
+        pages = -(-(context + q_len) // PAGE_SIZE)
+        batch = StepBatch.padded(
+            tokens=np.ones((num_seqs, q_len), np.int32),
+            positions=np.tile(np.arange(context, context + q_len, dtype=np.int32), (num_seqs, 1)),
+            q_lens=np.full((num_seqs,), q_len, np.int32),
+            kv_lens=np.full((num_seqs,), context + q_len, np.int32),
+            page_indices=np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages),
+        )
+        what = f"decode {num_seqs:>3} seqs" if q_len == 1 else f"prefill {q_len:>4} tokens"
+        out.append((what, batch, num_seqs * pages, 5 if q_len == 1 else 2))
+    for spec in (m for m in args.mixed.split(",") if m):
+        decodes, prompt = (int(n) for n in spec.split("+"))
+        batch, num_pages = _mixed_batch(decodes, prompt, args.context)
+        out.append((f"mixed {decodes}+{prompt:<4}", batch, num_pages, 2))
+    return out
+
+
+def _mixed_batch(decodes: int, prompt: int, context: int) -> tuple[StepBatch, int]:
+    """``decodes`` sequences with one token at ``context`` and a ``prompt``-token chunk from 0."""
+    pages = -(-(max(context + 1, prompt)) // PAGE_SIZE)
+    lengths = [1] * decodes + [prompt]
+    positions = np.concatenate([np.full(decodes, context), np.arange(prompt)]).astype(np.int32)
+    q_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    num_seqs, num_tokens = decodes + 1, decodes + prompt
+    batch = StepBatch(
+        tokens=np.ones(num_tokens, np.int32),
+        positions=positions,
+        seq_ids=np.repeat(np.arange(num_seqs), lengths).astype(np.int32),
+        valid=np.ones(num_tokens, bool),
+        q_starts=q_starts,
+        kv_lens=np.asarray([context + 1] * decodes + [prompt], np.int32),
+        page_indices=np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages),
+        last_rows=(q_starts[1:] - 1).astype(np.int32),
+    )
+    return batch, num_seqs * pages
+
+
 def main() -> int:
     args = _parse_args()
     if args.pallas:
@@ -144,25 +196,14 @@ def main() -> int:
     spec, base, dtype, models = _load_models(args, formats)
     kernels = " with the Pallas kernels" if args.pallas else ""
     print(f"{args.model_id}: step ms ({jax.default_backend()}{kernels})")
-    shapes = [(int(n), 1, args.context) for n in args.num_seqs.split(",") if n]
-    shapes += [(1, int(q), 0) for q in args.prefill.split(",") if q]
-    for num_seqs, q_len, context in shapes:
-        pages = -(-(context + q_len) // PAGE_SIZE)
-        k_shape, v_shape = base.cache_shapes(num_seqs * pages, PAGE_SIZE)
-        batch = StepBatch.padded(
-            tokens=np.ones((num_seqs, q_len), np.int32),
-            positions=np.tile(np.arange(context, context + q_len, dtype=np.int32), (num_seqs, 1)),
-            q_lens=np.full((num_seqs,), q_len, np.int32),
-            kv_lens=np.full((num_seqs,), context + q_len, np.int32),
-            page_indices=np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages),
-        )
+    for what, batch, num_pages, reps in _batches(args):
+        k_shape, v_shape = base.cache_shapes(num_pages, PAGE_SIZE)
         steps = _compiled_steps(spec, models, batch, KVCache.zeros(k_shape, dtype, v_shape))
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, run in steps.items():
-                times[name] += _timed(run, 1, 5 if q_len == 1 else 2)
+                times[name] += _timed(run, 1, reps)
         first = min(times[next(iter(times))])
-        what = f"decode {num_seqs:>3} seqs" if q_len == 1 else f"prefill {q_len:>4} tokens"
         for name, ms in times.items():
             best, median = min(ms), statistics.median(ms)
             print(
