@@ -229,6 +229,7 @@ def ragged_paged_attention(
     _validate_ragged(q, k_cache, positions, q_starts, page_indices, kv_lens)
     _validate_scales(k_cache, v_cache, k_scales, v_scales)
     num_tokens = q.shape[0]
+    kv_lens, page_indices = jnp.asarray(kv_lens), jnp.asarray(page_indices)  # host arrays too
     seq, valid = sequence_ids(q_starts, num_tokens)
     lens = jnp.where(valid, kv_lens[seq], 0)  # padding rows see no key
     positions = positions.astype(jnp.int32)
