@@ -129,8 +129,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_pending == 1]
         prefill_waits = self._prefill_waits()
         steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
-        decodes = self._reserve_decode_pages(decodes, steps)
-        items = tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
+        items = self._decode_items(decodes, steps)
         chunks = self._prefill_chunks(len(items)) if prefill_waits else ()
         if chunks:
             return ScheduledBatch(StepKind.PREFILL, items + chunks)
@@ -151,10 +150,14 @@ class Scheduler:
         if not decodes:
             return None
         steps = 1 if prefill_waits else self._decode_steps(decodes)
-        decodes = self._reserve_decode_pages(decodes, steps)
+        items = self._decode_items(decodes, steps)
         self._last_kind = StepKind.DECODE
-        items = tuple(ScheduledSeq(s, s.num_computed, 1) for s in decodes)
         return ScheduledBatch(StepKind.DECODE, items, steps) if items else None
+
+    def _decode_items(self, decodes: list[Sequence], steps: int) -> tuple[ScheduledSeq, ...]:
+        """One token of each decoding sequence that keeps its pages for ``steps`` more."""
+        kept = self._reserve_decode_pages(decodes, steps)
+        return tuple(ScheduledSeq(s, s.num_computed, 1) for s in kept)
 
     def _prefill_waits(self) -> bool:
         """Whether a running sequence is mid-prefill or a waiting one could start."""
