@@ -5,14 +5,11 @@ A native kernel is only a speed-up where it beats XLA on the CPU at hand, and CP
 kernel that wins on AVX-512 lost 3.6x on an AVX2-only machine). The call classes:
 
 - dequant-matmul: ``one_row`` (single-stream decode: one row of x through a projection),
-  ``rows`` (2 to ``PANEL_MIN_ROWS - 1`` rows: small decode batches), ``batch``
-  (``PANEL_MIN_ROWS`` to ``CHUNK_MIN_ROWS - 1`` rows: batched decode, mixed steps), ``chunk``
-  (``CHUNK_MIN_ROWS`` rows and more: prompt chunks), ``large`` (up to ``NATIVE_MAX_TOKENS_LARGE``
-  rows through a matrix too large to stay in cache: the LM head, timed against a float32 head's
-  dot, since a head the kernel loses is loaded as float32; a large packed projection follows
-  the same verdict, against a dequantizing reference that is slower still). These are float
-  activations' classes; int8 activations run the kernel at every row count (their integer dots
-  have no XLA counterpart that keeps the rounding);
+  ``rows`` (2 to ``NATIVE_MAX_TOKENS`` rows: batched decode), ``large`` (up to
+  ``NATIVE_MAX_TOKENS_LARGE`` rows through a matrix too large to stay in cache: the LM head,
+  timed against a float32 head's dot, since a head the kernel loses is loaded as float32; a
+  large packed projection follows the same verdict, against a dequantizing reference that is
+  slower still);
 - paged attention: ``decode`` (one query token per sequence) and ``prefill`` (a chunk of them).
 
 ``native_wins(kernel, call_class)`` is what the ops ask. Until verdicts are set (a library user
@@ -24,15 +21,7 @@ from __future__ import annotations
 
 import threading
 
-KERNELS = {
-    "dequant_matmul": ("one_row", "rows", "batch", "chunk", "large"),
-    "paged_attention": ("decode", "prefill"),
-}
-# The kernel multiplies calls of PANEL_MIN_ROWS rows or more through decoded panels (kPanelMinRows
-# in pallas_kernels/native/dequant_matmul.cc); CHUNK_MIN_ROWS splits those into batched decode
-# and prompt chunks, which are timed apart.
-PANEL_MIN_ROWS = 16
-CHUNK_MIN_ROWS = 64
+KERNELS = {"dequant_matmul": ("one_row", "rows", "large"), "paged_attention": ("decode", "prefill")}
 _verdicts: dict[tuple[str, str], bool] = {}
 _lock = threading.Lock()
 
@@ -50,14 +39,8 @@ def set_verdicts(verdicts: dict[tuple[str, str], bool]) -> None:
 
 
 def dequant_class(rows: int, large: bool) -> str:
-    """The call class of a dequant-matmul call with ``rows`` rows of x (float activations)."""
-    if rows == 1:
-        return "one_row"
-    if large:
-        return "large"
-    if rows < PANEL_MIN_ROWS:
-        return "rows"
-    return "batch" if rows < CHUNK_MIN_ROWS else "chunk"
+    """The call class of a dequant-matmul call with ``rows`` rows of x."""
+    return "one_row" if rows == 1 else ("large" if large else "rows")
 
 
 def attention_class(q_len: int) -> str:

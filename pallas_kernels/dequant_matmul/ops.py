@@ -6,15 +6,14 @@ Models call it with ``impl="auto"`` and say whether native kernels may run where
 
 - a ``PackedLayer`` (one layer of a stack; the decoder hands its layer scans' weights over this
   way only where native kernels may run: the CPU backend without a device mesh), or any weight
-  with ``native``, goes to the native CPU kernel (``native.py``) when it is built and reads the
-  weight's format: it unpacks the weight in registers (few rows) or into panels that stay in
-  L1 (``cpu_choice.PANEL_MIN_ROWS`` rows and more) instead of writing its float32 matrix, and
-  reads the layer inside the stack, so nothing is copied per layer. A call class (one row,
-  a few rows, a decode batch, a prompt chunk, a matrix too large for the cache) goes native
-  only where ``cpu_choice.native_wins`` says the kernel was measured faster on this CPU
-  (``pallas_kernels.native.calibration``); a large matrix only up to
-  ``NATIVE_MAX_TOKENS_LARGE`` rows (the LM head of a decode step; echoed prompts' logprobs run
-  the reference);
+  with ``native``, goes to the
+  native CPU kernel (``native.py``) when it is built, reads the weight's format, and the call has
+  at most ``NATIVE_MAX_TOKENS`` rows (``NATIVE_MAX_TOKENS_LARGE`` for a matrix too large to stay
+  in cache): it unpacks the weight in registers instead of writing its float32 matrix, and
+  reads the layer inside the stack, so nothing is copied per layer. Longer calls (prefill
+  chunks, 16-sequence decode) run the reference, whose dot is faster there. Within those
+  bounds a call class goes native only where ``cpu_choice.native_wins`` says the kernel was
+  measured faster on this CPU (``pallas_kernels.native.calibration``);
 - otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
   elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
   GPU (``tests/pallas_kernels/test_dequant_matmul.py``'s GPU test; no GPU has run it yet): a
@@ -41,8 +40,12 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PackedLayer, P
 
 IMPLS = ("auto", "native", "pallas", "reference")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a GPU run of the kernel is recorded
-# A matrix too large to stay in cache (the 113 MB float32 of SmolLM2's LM head) takes the kernel
-# up to this many rows: the rows of a decode step's head.
+# Rows up to which the native kernel beats the reference on CPU (BENCHMARKS.md, "Native
+# dequant-matmul"). The reference writes the weight's float32 matrix and then runs one dot: a
+# matrix that stays in cache (SmolLM2's projections, up to 3.5 MB) is cheap to read again, and
+# past 8 rows XLA's dot outruns the kernel's multiply-adds; a large one (the 113 MB LM head)
+# costs the reference a trip through memory, and the kernel stays ahead up to 128 rows.
+NATIVE_MAX_TOKENS = 8
 NATIVE_MAX_TOKENS_LARGE = 128
 LARGE_MATRIX_BYTES = 16 * 2**20  # float32 bytes of a matrix that no longer stays in cache
 
@@ -121,7 +124,7 @@ def _native_runs(
         and (
             int8_activations
             or (
-                (not large or rows <= NATIVE_MAX_TOKENS_LARGE)
+                rows <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
                 and cpu_choice.native_wins("dequant_matmul", cpu_choice.dequant_class(rows, large))
             )
         )

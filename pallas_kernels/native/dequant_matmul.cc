@@ -14,11 +14,6 @@
 // run) to the output rows and subtracts the offset times the sums of x, which
 // are computed once per call.
 //
-// From kPanelMinRows rows of float x (batched decode, prompt chunks) the codes
-// are decoded once per call instead: into panels of float weights that stay in
-// L1, multiplied into tiles of up to kPanelRows rows of x with the outputs in
-// registers (PanelPass), a small matrix product at the multiply-add rate.
-//
 // Work items are taken from one atomic counter by the calling thread and all
 // but one of XLA's CPU pool threads (as many workers as cores). Usually they
 // are blocks of output columns, each running up to kMaxRows rows of x at a
@@ -42,7 +37,6 @@
 // whole stack and no per-layer slice is copied.
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -51,7 +45,6 @@
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -594,131 +587,6 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
   if (wide_end < end) PassQ8<B0, B1, 1, Fine>(p, wide_end, end, r0, out);
 }
 
-// Many rows of float x (batched decode, prefill chunks): the codes of a run
-// are decoded once into float weights in a panel that stays in L1 and serves
-// every row of x, so the unpacking is paid once per call instead of once per
-// pass of kMaxRows rows, and the multiply-adds run as a small matrix product
-// with the outputs in registers.
-//
-// The 32 rows of run `run` of the weight at kLanes columns from c, as floats:
-// dst[i * ld + lane] = s * q - (s * z + l), the reference's formula. The codes
-// are read from RunItem's copy of the item's plane rows (as PassQ8's).
-template <int B0, int B1>
-__attribute__((always_inline)) inline void DecodeRun(const Weight& w, int64_t run, int64_t c,
-                                                     float* __restrict dst, int64_t ld) {
-  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
-  Vec s[2], o[2];
-  Factors(w, RowsOf(w, 2 * run), c, s[0], o[0]);
-  Factors(w, RowsOf(w, 2 * run + 1), c, s[1], o[1]);
-  IVec hi[kRows1];
-  if constexpr (B1 != 0) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kRows1; ++j) hi[j] = LoadU8(w.p1 + (run * kRows1 + j) * w.pn + c - w.pc);
-  }
-#pragma GCC unroll 32
-  for (int j = 0; j < kRows0; ++j) {
-    const IVec bytes = LoadU8(w.p0 + (run * kRows0 + j) * w.pn + c - w.pc);
-#pragma GCC unroll 4
-    for (int f = 0; f < 8 / B0; ++f) {
-      const int i = j + f * kRows0;
-      IVec q = Field(bytes, f * B0, B0);
-      if constexpr (B1 != 0) q |= Field(hi[i % kRows1], (i / kRows1) * B1, B1) << B0;
-      Store(dst + i * ld, ToFloat(q) * s[i / kHalf] - o[i / kHalf]);
-    }
-  }
-}
-
-// Rows of x per panel micro-kernel call at most: the outputs (kPanelRows x two
-// vectors) and the panel's two vectors fill the vector registers.
-#if defined(__AVX512F__) || defined(__aarch64__)
-constexpr int kPanelRows = 12;  // 32 vector registers
-#else
-constexpr int kPanelRows = 6;   // 16 vector registers
-#endif
-constexpr int kPanelVecs = 2;            // column vectors per panel
-constexpr int kPanelCols = kPanelVecs * kLanes;
-constexpr int64_t kPanelFloats = 4096;   // 16 KB of decoded weights
-constexpr int64_t kPanelDepth = kPanelFloats / kPanelCols / kRun * kRun;  // rows of `in`
-// Calls with at least this many rows take the panel. Below it the passes,
-// which decode the codes once per pass of up to kMaxRows rows but never store
-// them, were as fast or faster (AVX2, SmolLM2's [576, 1536] at 8 rows: 0.077
-// ms against the panel's 0.124; at 16 rows 0.148 against 0.153, and the panel
-// pulls ahead from there).
-constexpr int64_t kPanelMinRows = 16;
-
-// y[0 : Rows, 0 : V vectors] (+)= x[0 : Rows, 0 : depth] @ panel[0 : depth].
-template <int Rows, int V>
-void PanelTile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
-               int64_t depth, float* __restrict y, int64_t ldy, bool first) {
-  Vec acc[Rows][V];
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? Vec{} : Load(y + r * ldy + v * kLanes);
-  for (int64_t k = 0; k < depth; ++k) {
-    Vec wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = Load(panel + k * kPanelCols + v * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const Vec xr = Splat(x[r * ldx + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < V; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
-
-template <int V, int... R>
-constexpr std::array<TileFn, sizeof...(R)> TilesOf(std::integer_sequence<int, R...>) {
-  return {PanelTile<R + 1, V>...};
-}
-
-// PanelTile for 1 .. kPanelRows rows of V vectors.
-template <int V>
-TileFn TileFor(int rows) {
-  static constexpr auto tiles = TilesOf<V>(std::make_integer_sequence<int, kPanelRows>{});
-  return tiles[rows - 1];
-}
-
-// y[:, col : end] = x @ dequantize(w)[:, col : end] for whole vectors of
-// columns, every row of x: panels of kPanelDepth rows of `in` by kPanelVecs
-// vectors (one vector for an odd last one), each decoded once and multiplied
-// into every row.
-template <int B0, int B1>
-void PanelPass(const Problem& p, int64_t col, int64_t end) {
-  const Weight& w = p.w;
-  alignas(64) float panel[kPanelFloats];
-  for (int64_t c = col; c < end; c += kPanelCols) {
-    const int vecs = end - c >= kPanelCols ? kPanelVecs : 1;
-    for (int64_t k0 = 0; k0 < w.k; k0 += kPanelDepth) {
-      const int64_t depth = std::min(kPanelDepth, w.k - k0);
-      for (int64_t run = k0 / kRun; run < (k0 + depth) / kRun; ++run)
-        for (int v = 0; v < vecs; ++v)
-          DecodeRun<B0, B1>(w, run, c + v * kLanes,
-                            panel + (run * kRun - k0) * kPanelCols + v * kLanes, kPanelCols);
-      for (int64_t r = 0; r < p.rows; r += kPanelRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, p.rows - r));
-        const TileFn tile = vecs == kPanelVecs ? TileFor<kPanelVecs>(rows) : TileFor<1>(rows);
-        tile(p.x + r * w.k + k0, w.k, panel, depth, p.y + r * w.n + c, w.n, k0 == 0);
-      }
-    }
-  }
-}
-
-using PanelFn = void (*)(const Problem&, int64_t, int64_t);
-
-PanelFn PanelFor(int b0, int b1) {
-  switch (b0 * 16 + b1) {
-    case 8 * 16: return PanelPass<8, 0>;
-    case 4 * 16 + 2: return PanelPass<4, 2>;
-    case 4 * 16 + 1: return PanelPass<4, 1>;
-    case 4 * 16: return PanelPass<4, 0>;
-    case 2 * 16 + 1: return PanelPass<2, 1>;
-    case 2 * 16: return PanelPass<2, 0>;
-    default: return nullptr;
-  }
-}
-
 using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
 
 // The passes of one bit layout by rows of x (1, 2, 4, 8), for groups of half
@@ -932,21 +800,17 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   // for the hardware prefetchers (a 49,152-column LM head ran at a third of its
   // speed from cache). It reads a copy of the block's plane rows instead, made
   // one row after another, which also serves every pass after the first.
-  // PanelPass walks the same way (a strip of columns over all runs) and reads
-  // the copy too (the LM head at 16 rows on AVX-512: 5.4 ms in place, 3.6 from
-  // the copy, 4.4 with passes).
   Problem copy;
   const Problem* q = &p;
   // A lone row reads in place: its one pass over the block would read the copy
   // once, after the copy itself (a SmolLM2 decode step of one sequence: 8.3 ms
   // with the copy, 7.4 ms without; with PassQ8One 6.1 ms, float activations 6.3).
-  const bool panel = !p.xq && p.rows >= kPanelMinRows;
   if (p.xq && vector_end > col && p.rows == 1) {
     copy = p;
     copy.w.pn = p.w.n;
     copy.w.pc = 0;
     q = &copy;
-  } else if ((p.xq || panel) && vector_end > col) {
+  } else if (p.xq && vector_end > col) {
     thread_local std::vector<uint8_t> panel;
     const int64_t width = vector_end - col;
     const int64_t rows0 = p.w.k * p.w.b0 / 8, rows1 = p.w.k * p.w.b1 / 8;
@@ -961,11 +825,6 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
     copy.w.pn = width;
     copy.w.pc = col;
     q = &copy;
-  }
-  if (panel && vector_end > col) {
-    PanelFor(p.w.b0, p.w.b1)(*q, col, vector_end);
-    if (vector_end < end) TailColumns(p, vector_end, end);
-    return;
   }
   for (int64_t r0 = 0; r0 < p.rows && vector_end > col;) {
     int pick = 3;  // 8 rows

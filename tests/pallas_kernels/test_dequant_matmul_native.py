@@ -3,8 +3,8 @@
 Weights are the reference tests' (``gguf_bytes``: quantized random floats or random blocks, every
 GGUF type), GPTQ-style zero codes, and mixed-type stacks (``host.stack``: the widest code, the
 finest groups, one zero code per matrix). Shapes are odd on purpose: 100 output columns (vectors
-of 16 plus 4 columns the kernel computes one at a time), 1, 7, 16 and 33 rows (passes of up to 8
-rows below ``cpu_choice.PANEL_MIN_ROWS``, decoded panels from there). The kernel is compiled on first use (``pallas_kernels.native``); without a C++
+of 16 plus 4 columns the kernel computes one at a time), 1, 7 and 16 rows (one or two passes of
+up to 8 rows). The kernel is compiled on first use (``pallas_kernels.native``); without a C++
 compiler the numerics tests skip and the fallback tests still run.
 """
 
@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jax_llm_runtime.pallas_kernels import cpu_choice
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, native, ops, reference
 from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import from_gguf
 from jax_llm_runtime.pallas_kernels.dequant_matmul.host import stack
@@ -64,20 +63,6 @@ def test_matches_reference(qtype, int8):
             exact = np.asarray(reference.dequant_matmul(x, w))
             assert not np.allclose(np.asarray(want), exact, rtol=1e-5, atol=0)
             np.testing.assert_allclose(want, exact, atol=2e-2 * np.abs(exact).max())
-
-
-@needs_kernel
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K, T.Q5_K, T.Q8_0, T.Q2_K], ids=lambda t: t.name)
-def test_panels_of_many_rows(qtype):
-    # From PANEL_MIN_ROWS rows float x multiplies panels of decoded weights: 16 and 29 rows
-    # (tiles of 6 or 12 rows and a shorter last one), 84 columns (a last panel of one vector
-    # where vectors hold 16 floats, then 4 columns one at a time), 320 or more rows of `in` (a
-    # panel deeper than one pass of the depth), and a prompt chunk of 130 rows.
-    k = max(320, in_features(qtype))
-    w = from_gguf(gguf_bytes(qtype, 84, k, seed=3), qtype, k).to_device()
-    for num_tokens in (cpu_choice.PANEL_MIN_ROWS, 29, 130):
-        x = tokens(num_tokens, k, seed=num_tokens)
-        assert_close(run_native(x, w), reference.dequant_matmul(x, w))
 
 
 @needs_kernel
@@ -221,30 +206,15 @@ def test_ops_dispatch(monkeypatch):
     layer = PackedLayer(stacked, jnp.int32(1))
     matrix = layer.matrix()
     k = stacked.shape[-2]
-    small, large = tokens(4, k), tokens(cpu_choice.CHUNK_MIN_ROWS + 1, k)
+    small, large = tokens(4, k), tokens(ops.NATIVE_MAX_TOKENS + 1, k)
     assert_close(ops.dequant_matmul(small, layer), reference.dequant_matmul(small, matrix))
     native_out = ops.dequant_matmul(small, matrix, impl="native")
     np.testing.assert_array_equal(np.asarray(native_out), np.asarray(run_native(small, matrix)))
-    # A plain PackedWeight under "auto": the reference.
-    np.testing.assert_array_equal(
-        np.asarray(ops.dequant_matmul(small, matrix)),
-        np.asarray(reference.dequant_matmul(small, matrix)),
-    )
-    # Each call class follows its verdict: a prompt chunk where XLA was measured faster runs
-    # the reference, and the kernel where it was not.
-    monkeypatch.setattr(cpu_choice, "_verdicts", {("dequant_matmul", "chunk"): False})
-    np.testing.assert_array_equal(
-        np.asarray(ops.dequant_matmul(large, layer)),
-        np.asarray(reference.dequant_matmul(large, matrix)),
-    )
-    assert_close(ops.dequant_matmul(small, layer), reference.dequant_matmul(small, matrix))
-    np.testing.assert_array_equal(
-        np.asarray(ops.dequant_matmul(small, layer)), np.asarray(run_native(small, stacked, 1))
-    )
-    monkeypatch.setattr(cpu_choice, "_verdicts", {})
-    np.testing.assert_array_equal(
-        np.asarray(ops.dequant_matmul(large, layer)), np.asarray(run_native(large, stacked, 1))
-    )
+    # Past NATIVE_MAX_TOKENS rows, and for a plain PackedWeight under "auto": the reference.
+    for x, w in ((large, layer), (small, matrix)):
+        np.testing.assert_array_equal(
+            np.asarray(ops.dequant_matmul(x, w)), np.asarray(reference.dequant_matmul(x, matrix))
+        )
     # int8 activations take the kernel at any number of rows, and the reference's rounding
     # where the kernel is not asked for (a plain PackedWeight under "auto").
     np.testing.assert_array_equal(
@@ -260,11 +230,6 @@ def test_ops_dispatch(monkeypatch):
     np.testing.assert_array_equal(
         np.asarray(ops.dequant_matmul(large, layer)),
         np.asarray(run_native(large, stacked, 1)),
-    )
-    beyond = tokens(ops.NATIVE_MAX_TOKENS_LARGE + 1, k)
-    np.testing.assert_array_equal(
-        np.asarray(ops.dequant_matmul(beyond, layer)),
-        np.asarray(reference.dequant_matmul(beyond, matrix)),
     )
 
 
