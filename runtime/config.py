@@ -22,7 +22,7 @@ UNCHUNKED_PREFILL = 1 << 30
 # The token budget of a step on CPU (max_num_batched_tokens 0): with SmolLM2-135M on 2 cores,
 # 16 streams saw gaps of 170 ms at p99 (0.56 s at most) while 2,000-token prompts arrived; 128
 # or 64 narrow the gaps but cost throughput and burst TTFT (BENCHMARKS.md, "Mixed batches").
-CPU_BATCHED_TOKENS = 256
+CPU_BATCHED_TOKENS = 64
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -44,9 +44,11 @@ class EngineConfig:
     prefill chunks of as many prompts as fit (mixed batches); 0 picks ``CPU_BATCHED_TOKENS`` on
     CPU and prefill_chunk_size plus max_num_seqs elsewhere (``batched_tokens``). decode_steps is how many
     tokens a decode call generates per sequence when no other work waits (multi-step decode: one
-    dispatch and one host round trip for several tokens); 0 picks 4 on CPU, where ~1 ms of host
-    work per call is felt by a lone stream, and 8 on accelerators, where dispatch dominates small
-    models. A stream then receives its tokens in bursts of that many.
+    dispatch and one host round trip for several tokens); 0 picks 4 on CPU while at most 4
+    sequences decode (~1 ms of host work per call is felt by a few streams, not by a batch whose
+    step takes 20 ms; ``runtime.loading.builder.CPU_MULTI_STEP_SEQS``), and 8 on accelerators,
+    where dispatch dominates small models. A stream then receives its tokens in bursts of that
+    many.
     kv_cache_dtype "fp8" (or vLLM's "fp8_e4m3") stores K and V as float8 e4m3 with one scale per
     token and KV head; "float32", "float16" or "bfloat16" in that dtype; "auto" in the model
     dtype. matmul_dtype "bfloat16" multiplies

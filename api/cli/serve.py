@@ -357,8 +357,8 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         type=_int_at_least(0),
         default=0,
         help="tokens generated per decode call when no request waits (multi-step decode: "
-        "streams get tokens in bursts of that many); 0 = 4 on CPU, 8 on accelerators; 1 streams "
-        "every token as it is sampled (default: %(default)s)",
+        "streams get tokens in bursts of that many); 0 = 4 on CPU while at most 4 sequences "
+        "decode, 8 on accelerators; 1 streams every token as it is sampled (default: %(default)s)",
     )
     add(
         "--seed",

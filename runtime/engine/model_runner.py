@@ -65,6 +65,7 @@ class ModelRunner:
         eos_token_ids: Iterable[int] = (),
         decode_steps: int = 1,
         cache_sharding: Any = None,
+        multi_step_seqs: int | None = None,
     ) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -75,6 +76,7 @@ class ModelRunner:
         self.cache = cache
         self.plan = plan
         self.decode_steps = decode_steps
+        self.multi_step_seqs = multi_step_seqs  # multi-step buckets only up to this many (None: all)
         # With a device mesh the updated cache keeps the input's sharding (runtime.parallel.sharding).
         forward = functools.partial(_constrained, spec.forward, cache_sharding)
         # The sampled tokens (and logprobs) are replicated, so every process can read them; so
@@ -112,7 +114,11 @@ class ModelRunner:
         """
         shapes = [(*s, 1) for s in self.plan.shapes()]
         if self.decode_steps > 1:
-            shapes += [(*s, self.decode_steps) for s in self.plan.decode_shapes()]
+            seqs = self.plan.decode_seqs
+            most = seqs[-1]
+            if self.multi_step_seqs:
+                most = pick(seqs, min(self.multi_step_seqs, most))
+            shapes += [(*s, self.decode_steps) for s in self.plan.decode_shapes() if s[1] <= most]
         first = [s for s in shapes if s[2] == self.plan.pages[0] and s[3] == 1]
         rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[0], s[1]))
         return first, rest

@@ -26,6 +26,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from jax_llm_runtime.runtime.engine.buckets import fit_tokens
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator, page_hash
@@ -79,6 +80,8 @@ class Scheduler:
         prefix_cache: bool = True,
         max_num_batched_tokens: int | None = None,
         mixed: bool = True,
+        multi_step_seqs: int | None = None,
+        prefix_cost: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -90,6 +93,11 @@ class Scheduler:
         self.mixed = mixed
         self._last_kind: StepKind | None = None  # alternating steps only
         self.decode_steps = decode_steps
+        # Multi-step decode only while at most this many sequences decode (None: any number).
+        self.multi_step_seqs = multi_step_seqs
+        # Prefix positions a prompt token attends over that cost as much as the token's own
+        # projections (None: a chunk costs its token count alone; see chunk_tokens).
+        self.prefix_cost = prefix_cost
         self.prefill_lens = prefill_lens  # the runner's prefill buckets; chunks are cut to fit
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefix_cache = prefix_cache
@@ -166,11 +174,14 @@ class Scheduler:
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _decode_steps(self, decodes: list[Sequence]) -> int:
-        """``decode_steps`` when nothing else waits, every sequence has room for that many more
+        """``decode_steps`` when nothing else waits, at most ``multi_step_seqs`` sequences
+        decode, every sequence has room for that many more
         positions, none needs per-token host work (logprobs, penalties, stop tokens banned
         until min_tokens) and the pages for all of them are free without preempting; else 1."""
         k = self.decode_steps
         if k == 1 or self.waiting:
+            return 1
+        if self.multi_step_seqs is not None and len(decodes) > self.multi_step_seqs:
             return 1
         needed = 0
         for seq in decodes:
@@ -257,10 +268,11 @@ class Scheduler:
         has room, until the token budget is spent or a chunk's pages cannot be allocated."""
         chunks: list[ScheduledSeq] = []
         mid = [s for s in self.running if s.num_pending > 1]
+        cost = used  # the budget spent: decode rows, and chunks with their prefixes' attention
         for seq in mid + list(self.waiting):
             if limit is not None and len(chunks) == limit:
                 break
-            room = self.max_num_batched_tokens - used
+            room = self.max_num_batched_tokens - cost
             if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
                 break
             chunk = self._prefill_chunk(seq, room)
@@ -268,6 +280,7 @@ class Scheduler:
                 break
             chunks.append(chunk)
             used += chunk.length
+            cost += chunk_cost(chunk.start, chunk.length, self.prefix_cost)
         if chunks and self.prefill_lens:  # the last chunk is cut so that the step fills a bucket
             last = chunks[-1]
             length = fit_tokens(self.prefill_lens, used - last.length, last.length)
@@ -282,7 +295,8 @@ class Scheduler:
         waiting sequence moved to the running set; None when its pages cannot be allocated now.
         (A chunk cut shorter afterwards keeps its pages for the next one.)"""
         reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
-        length = min(seq.num_pending, self.prefill_chunk_size, room)
+        affordable = chunk_tokens(seq.num_computed, room, self.prefix_cost)
+        length = min(seq.num_pending, self.prefill_chunk_size, affordable)
         needed = self._pages_needed(seq, seq.num_computed + length)
         if not self.allocator.can_allocate(needed):
             if reused:  # give the cached pages back until it can start
@@ -388,3 +402,38 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def chunk_cost(start: int, length: int, prefix_cost: int | None) -> float:
+    """What a prompt chunk of ``length`` tokens from position ``start`` spends of a step's token
+    budget: its tokens, each also paying for the positions it attends over (the prefix and the
+    chunk's earlier tokens, about ``start + length / 2`` on average) at one token per
+    ``prefix_cost`` positions. So the last chunks of a long prompt, whose attention reads
+    thousands of positions, are shorter, and a step's time stays near the budget's."""
+    if prefix_cost is None:
+        return length
+    return length * (1 + (start + length / 2) / prefix_cost)
+
+
+def chunk_tokens(start: int, room: float, prefix_cost: int | None) -> int:
+    """The longest chunk from ``start`` whose ``chunk_cost`` fits ``room`` (at least 1)."""
+    if prefix_cost is None:
+        return max(1, int(room))
+    # length * (1 + start / c) + length^2 / (2 c) <= room, solved for length
+    b = 1 + start / prefix_cost
+    a = 1 / (2 * prefix_cost)
+    length = (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
+    return max(1, int(length))
+
+
+def prefix_cost_positions(config: Any) -> int:
+    """``prefix_cost`` for a decoder: the positions of attention (a score and a weighted value
+    per query head, 4 flops per head dimension) whose flops equal one token's projections and
+    LM head, the projections counted as a dense transformer's 12 * hidden^2 per layer. For
+    SmolLM2-135M 4,275."""
+    d, layers = config.hidden_size, config.num_layers
+    attention = config.attention
+    q_dim = attention.num_heads * getattr(attention, "head_dim", config.head_dim)
+    token = 2 * (12 * d * d * layers + d * config.vocab_size)
+    per_position = 4 * layers * q_dim
+    return max(1, round(token / per_position))

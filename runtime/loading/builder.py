@@ -23,7 +23,7 @@ from jax_llm_runtime.runtime.engine.core import Engine
 from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner
 from jax_llm_runtime.runtime.engine.model_runner import ModelRunner
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
-from jax_llm_runtime.runtime.engine.scheduler import Scheduler
+from jax_llm_runtime.runtime.engine.scheduler import Scheduler, prefix_cost_positions
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 # Tokens per decode call on CPU when nothing else waits: one dispatch and one host round trip
 # for four tokens (BENCHMARKS.md: ~1 ms of host work per call, ~14% of a lone stream's token).
 CPU_DECODE_STEPS = 4
+# ... while at most this many sequences decode. A bigger batch's step is long enough that the
+# host's work per call is a few percent of it (16 streams of SmolLM2: 21 ms), and its streams
+# then get every token as it is sampled instead of four at a time: one call of four steps is a
+# gap four steps long, which made multi-step decode the 99th percentile of the streams'
+# inter-token gaps (BENCHMARKS.md, "Mixed batches").
+CPU_MULTI_STEP_SEQS = 4
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -173,9 +179,11 @@ def _build_replica(
         budget,
         mixed=mixed,
     )
-    decode_steps = config.decode_steps or (
-        CPU_DECODE_STEPS if jax.default_backend() == "cpu" else 8
-    )
+    decode_steps, multi_step_seqs = config.decode_steps, None
+    if not decode_steps:  # auto: see CPU_DECODE_STEPS
+        on_cpu = jax.default_backend() == "cpu"
+        decode_steps = CPU_DECODE_STEPS if on_cpu else 8
+        multi_step_seqs = CPU_MULTI_STEP_SEQS if on_cpu else None
     runner = ModelRunner(
         spec,
         model_config,
@@ -185,6 +193,7 @@ def _build_replica(
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
         cache_sharding=cache_shardings,
+        multi_step_seqs=multi_step_seqs,
     )
     allocator = PageAllocator(num_pages, config.page_size)
     allocator.track_fresh = config.debug_fill_freed_pages
@@ -199,6 +208,8 @@ def _build_replica(
         prefix_cache=config.prefix_cache,
         max_num_batched_tokens=budget,
         mixed=mixed,
+        multi_step_seqs=multi_step_seqs,
+        prefix_cost=prefix_cost_positions(model_config),
     )
     name = config.served_model_name or files.name
     embedder = None

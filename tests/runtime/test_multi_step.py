@@ -33,6 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 def _run(folder: Path, decode_steps: int, sampling: SamplingParams) -> tuple[list, int]:
     from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading import builder
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
     engine = build_engine(
@@ -45,6 +46,10 @@ def _run(folder: Path, decode_steps: int, sampling: SamplingParams) -> tuple[lis
         )
     )
     engine.start(compile_all=True)
+    if decode_steps == 0:  # auto on CPU: four steps per call while at most four sequences decode
+        assert engine.scheduler.decode_steps == builder.CPU_DECODE_STEPS
+        assert engine.scheduler.multi_step_seqs == builder.CPU_MULTI_STEP_SEQS
+        assert engine.runner.multi_step_seqs == builder.CPU_MULTI_STEP_SEQS
     try:
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 

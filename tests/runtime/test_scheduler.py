@@ -1,8 +1,17 @@
+from types import SimpleNamespace
+
 import pytest
 
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
 from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
-from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepKind
+from jax_llm_runtime.runtime.engine.scheduler import (
+    ScheduledBatch,
+    Scheduler,
+    StepKind,
+    chunk_cost,
+    chunk_tokens,
+    prefix_cost_positions,
+)
 from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
@@ -403,3 +412,53 @@ def test_cached_pages_are_given_back_when_the_rest_does_not_fit():
     b = sched.schedule()
     assert b.kind is StepKind.DECODE and big.pages == [] and big.num_computed == 0
     assert alloc.num_cached >= 1, "the cached prefix went back to the free list, still cached"
+
+
+def test_multi_step_decode_only_for_small_batches():
+    # multi_step_seqs: a batch of more decoding sequences gets its tokens one step at a time.
+    sched = Scheduler(PageAllocator(32, 4), 4, 64, 8, [EOS], decode_steps=4, multi_step_seqs=2)
+    a, b, c = (seq(3, max_tokens=20) for _ in range(3))
+    _prefilled(sched, a, b)
+    assert sched.schedule().num_steps == 4
+    _prefilled(sched, c)
+    assert sched.schedule().num_steps == 1
+
+
+def test_chunks_of_a_long_prompt_shrink_with_its_prefix():
+    # With prefix_cost, a chunk also pays for the positions it attends over: one token per
+    # prefix_cost positions. A 200-token prompt alone under a budget of 32: the first chunk
+    # takes (almost) the whole budget, later ones less, and no step spends more than 32.
+    sched = Scheduler(
+        PageAllocator(64, 4), 2, 256, 256, [EOS], max_num_batched_tokens=32, prefix_cost=100
+    )
+    sched.add(seq(200, max_tokens=2))
+    lengths = []
+    while not sched.running or sched.running[0].num_pending > 1:
+        batch = sched.schedule()
+        (item,) = batch.items
+        assert chunk_cost(item.start, item.length, 100) <= 32
+        lengths.append(item.length)
+        run(sched, batch)
+    assert sum(lengths) == 200
+    assert lengths[0] >= 27 and lengths[-2] <= 12
+    assert lengths[:-1] == sorted(lengths[:-1], reverse=True)
+
+
+def test_chunk_tokens_is_the_longest_chunk_that_fits():
+    for start in (0, 10, 500, 5000):
+        for room in (1, 7.5, 64, 300):
+            n = chunk_tokens(start, room, 400)
+            assert n == 1 or chunk_cost(start, n, 400) <= room
+            assert chunk_cost(start, n + 1, 400) > room
+    assert chunk_tokens(5000, 64, None) == 64
+
+
+def test_prefix_cost_of_smollm2():
+    # SmolLM2-135M: hidden 576, 30 layers, 9 heads of 64, vocab 49,152. One token's projections
+    # and head (2 * (12 * 576^2 * 30 + 576 * 49152) flops) cost as much as its attention over
+    # 4,275 positions (4 * 30 * 9 * 64 flops each).
+    attention = SimpleNamespace(num_heads=9, head_dim=64)
+    config = SimpleNamespace(
+        hidden_size=576, num_layers=30, vocab_size=49152, attention=attention, head_dim=64
+    )
+    assert prefix_cost_positions(config) == 4275
