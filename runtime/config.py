@@ -23,6 +23,9 @@ UNCHUNKED_PREFILL = 1 << 30
 # 16 streams saw gaps of 170 ms at p99 (0.56 s at most) while 2,000-token prompts arrived; 128
 # or 64 narrow the gaps but cost throughput and burst TTFT (BENCHMARKS.md, "Mixed batches").
 CPU_BATCHED_TOKENS = 64
+# The KV cache on CPU when --kvcache-mem is not given: host memory is shared with everything
+# else, so it is a fixed size rather than a share of what is free.
+CPU_KVCACHE_MB = 1024
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -36,7 +39,10 @@ class EngineConfig:
 
     max_waiting bounds the sequences admitted beyond the max_num_seqs that run at once: past it a
     request is refused with ``EngineOverloadedError`` instead of queued (0: no bound).
-    kvcache_mem_mb sizes the paged KV cache (all layers, K and V). max_model_len defaults to the
+    kvcache_mem_mb sizes the paged KV cache (all layers, K and V); 0 (auto) is
+    ``CPU_KVCACHE_MB`` on CPU and, on accelerators, what ``gpu_memory_utilization`` of each
+    device's memory leaves after the weights (vLLM's ``--gpu-memory-utilization``;
+    ``runtime.loading.cache_size``). max_model_len defaults to the
     model's context length, capped by what the cache can hold. prefill_chunk_size is the most
     prompt tokens one step processes for one sequence (chunked prefill); 0 lifts that limit
     (stored as ``UNCHUNKED_PREFILL``), leaving the step's budget. max_num_batched_tokens is
@@ -78,7 +84,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int | None = None
-    kvcache_mem_mb: int = 1024
+    kvcache_mem_mb: int = 0
+    gpu_memory_utilization: float = 0.9
     page_size: int = 16
     prefill_chunk_size: int = 8192
     max_num_batched_tokens: int = 0
@@ -108,8 +115,11 @@ class EngineConfig:
         _check_at_least("max_waiting (0: no bound)", self.max_waiting, 0)
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
-        if self.kvcache_mem_mb < 1:
-            raise ValueError(f"kvcache_mem_mb must be >= 1, got {self.kvcache_mem_mb}")
+        _check_at_least("kvcache_mem_mb (0: auto)", self.kvcache_mem_mb, 0)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.isq is not None and self.isq not in ISQ_CHOICES:

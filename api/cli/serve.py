@@ -46,6 +46,7 @@ from jax_llm_runtime.api.cli.unix_socket import (
 )
 from jax_llm_runtime.runtime.config import (
     CPU_BATCHED_TOKENS,
+    CPU_KVCACHE_MB,
     DEFAULT_MAX_WAITING,
     DEFAULT_MODEL_ID,
     DTYPES,
@@ -96,7 +97,8 @@ IGNORED_FLAGS: tuple[tuple[str, dict[str, object], str], ...] = (
     (
         "--kv-fraction",
         {"type": float, "metavar": "F"},
-        "the KV cache is sized in MB by --kvcache-mem (--mem), not as a share of free memory",
+        "the KV cache is sized by --kvcache-mem (--mem) or, on accelerators, by "
+        "--gpu-memory-utilization (a share of all device memory, not of what is free)",
     ),
     (
         "--yarn-scaling-factor",
@@ -146,6 +148,17 @@ def _rust_log_level(value: str | None) -> str | None:
         name for name in ("off", "error", "warn", "info", "debug", "trace") if name.upper() in upper
     ]
     return named[-1] if named else None
+
+
+def _fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
+    return value
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -281,9 +294,19 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         "--kvcache-mem-gpu",
         dest="kvcache_mem_mb",
         type=_int_at_least(1),
-        default=1024,
+        default=0,
         metavar="MB",
-        help="memory for the paged KV cache, all layers, in MB (default: %(default)s)",
+        help=f"memory for the paged KV cache, all layers, in MB; default: {CPU_KVCACHE_MB} on "
+        "CPU, on accelerators what --gpu-memory-utilization leaves after the weights",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.9,
+        metavar="F",
+        help="on accelerators without --kvcache-mem: the share of each device's memory for the "
+        "weights and the KV cache together; the rest is left for activations "
+        "(default: %(default)s)",
     )
     add(
         "--page-size",
@@ -658,6 +681,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         kvcache_mem_mb=args.kvcache_mem_mb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
         max_num_batched_tokens=args.max_num_batched_tokens,

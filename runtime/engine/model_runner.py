@@ -76,7 +76,9 @@ class ModelRunner:
         self.cache = cache
         self.plan = plan
         self.decode_steps = decode_steps
-        self.multi_step_seqs = multi_step_seqs  # multi-step buckets only up to this many (None: all)
+        self.multi_step_seqs = (
+            multi_step_seqs  # multi-step buckets only up to this many (None: all)
+        )
         # With a device mesh the updated cache keeps the input's sharding (runtime.parallel.sharding).
         forward = functools.partial(_constrained, spec.forward, cache_sharding)
         # The sampled tokens (and logprobs) are replicated, so every process can read them; so

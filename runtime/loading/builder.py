@@ -24,6 +24,7 @@ from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner
 from jax_llm_runtime.runtime.engine.model_runner import ModelRunner
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
 from jax_llm_runtime.runtime.engine.scheduler import Scheduler, prefix_cost_positions
+from jax_llm_runtime.runtime.loading.cache_size import auto_kvcache_mb
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
@@ -33,10 +34,10 @@ from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
     log_expert_offload,
     with_expert_offload,
 )
+from jax_llm_runtime.runtime.parallel.kv_heads import kv_replicas, replicate_kv_heads
 from jax_llm_runtime.runtime.parallel.sharding import (
     build_mesh,
     cache_sharding,
-    check_divisible,
     shard_weights,
 )
 from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
@@ -159,11 +160,15 @@ def _build_replica(
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
-        weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
+        model_config, weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype)
+    replica_devices = list(mesh.devices.flat) if mesh is not None else [_device(devices)]
+    cache_mb = config.kvcache_mem_mb or auto_kvcache_mb(
+        replica_devices, config.gpu_memory_utilization
+    )
+    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None
     abstract_cache = _abstract_cache(k_shape, kv_dtype, v_shape)
@@ -227,29 +232,37 @@ def _build_replica(
     )
 
 
-def place_on_mesh(mesh: Any, model_config: Any, weights: Any, expert_parallel: bool) -> Any:
-    """The weights placed on the tensor-parallel mesh (heads must divide over its devices)."""
+def place_on_mesh(
+    mesh: Any, model_config: Any, weights: Any, expert_parallel: bool
+) -> tuple[Any, Any]:
+    """The model config and weights placed on the tensor-parallel mesh (heads must divide over
+    its devices; KV heads fewer than the devices are repeated: ``runtime.parallel.kv_heads``)."""
     attention = model_config.attention
-    check_divisible(
-        attention.num_heads,
-        model_config.num_kv_heads,
-        mesh.size,
-        is_mla=not hasattr(attention, "num_kv_heads"),
-    )
+    is_mla = not hasattr(attention, "num_kv_heads")
+    times = kv_replicas(attention.num_heads, model_config.num_kv_heads, mesh.size, is_mla)
+    if times > 1:
+        model_config, weights = replicate_kv_heads(model_config, weights, times)
     weights = shard_weights(weights, mesh, expert_parallel)
     logger.info("tensor parallel over %d devices: %s", mesh.size, list(mesh.devices.flat))
-    return weights
+    return model_config, weights
 
 
-def _size_cache(config: EngineConfig, model_config: Any, kv_dtype: Any) -> tuple[int, int]:
-    """The KV cache's page count for ``--kvcache-mem``, and ``max_model_len`` capped by it."""
+def _device(devices: Sequence[int] | None) -> Any:
+    """The one device of a replica without a mesh."""
+    return jax.devices()[devices[0] if devices else 0]
+
+
+def _size_cache(
+    config: EngineConfig, model_config: Any, kv_dtype: Any, cache_mb: int
+) -> tuple[int, int]:
+    """The KV cache's page count for ``cache_mb`` MB, and ``max_model_len`` capped by it."""
     page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
-    num_pages = config.kvcache_mem_mb * 2**20 // page_bytes
+    num_pages = cache_mb * 2**20 // page_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
     if max_model_len < 16:
         raise ValueError(
-            f"--kvcache-mem {config.kvcache_mem_mb} MB holds only {capacity} tokens; raise it"
+            f"a KV cache of {cache_mb} MB holds only {capacity} tokens; raise --kvcache-mem"
         )
     logger.info(
         "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",

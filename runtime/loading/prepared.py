@@ -101,7 +101,10 @@ def save_prepared(config: EngineConfig, directory: str | Path) -> Path:
     mesh = _first_mesh(config)
     weights = model.weights
     if mesh is not None:
-        weights = place_on_mesh(mesh, model.config, weights, config.expert_parallel)
+        placed_config, placed = place_on_mesh(mesh, model.config, weights, config.expert_parallel)
+        # KV heads repeated for a mesh wider than them are made again at load: the folder
+        # keeps the checkpoint's heads, which its config declares.
+        weights = placed if placed_config == model.config else weights
     try:
         skeleton, arrays = describe(weights)
     except WeightTreeError as e:

@@ -91,18 +91,21 @@ def build_mesh(devices: Sequence[int] | None, tensor_parallel_size: int) -> Mesh
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) -> None:
-    """Refuse a model whose heads do not split evenly over ``size`` devices. MLA's one latent
-    KV "head" is replicated, so only its attention heads must divide."""
+    """Refuse a model whose heads do not split evenly over ``size`` devices: the attention
+    heads must divide by ``size``, and the KV heads divide by it or divide it (then each is
+    repeated on ``size // num_kv_heads`` devices: ``runtime.parallel.kv_heads``). MLA's one
+    latent KV "head" is replicated, so only its attention heads must divide."""
     if size == 1:
         return
-    counts = [("attention heads", num_heads)]
-    if not is_mla:
-        counts.append(("KV heads", num_kv_heads))
-    for name, count in counts:
-        if count % size:
-            raise ShardingError(
-                f"the model's {count} {name} do not divide by --tensor-parallel-size {size}"
-            )
+    if num_heads % size:
+        raise ShardingError(
+            f"the model's {num_heads} attention heads do not divide by --tensor-parallel-size {size}"
+        )
+    if not is_mla and num_kv_heads % size and size % num_kv_heads:
+        raise ShardingError(
+            f"the model's {num_kv_heads} KV heads do not divide by --tensor-parallel-size {size} "
+            f"(nor divide it, which would repeat each on {size} // {num_kv_heads} devices)"
+        )
 
 
 def partition_spec(

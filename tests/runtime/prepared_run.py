@@ -37,7 +37,7 @@ def main(source: str, target: str) -> dict:
     config = EngineConfig(model_id=source, isq="q4_0", **FIELDS)
     save_prepared(config, target)
     loaded = load_model(config)
-    expected = place_on_mesh(build_mesh(None, 4), loaded.config, loaded.weights, False)
+    _, expected = place_on_mesh(build_mesh(None, 4), loaded.config, loaded.weights, False)
     restored = load_model(EngineConfig(model_id=target, **FIELDS)).weights
     mismatched, split = [], 0
     paths = jax.tree_util.tree_flatten_with_path(expected)[0]

@@ -88,6 +88,7 @@ def run(folder: str, size: int, extra: dict) -> dict:
         "expert_host_bytes": sorted(host_experts.values()),
         "host_memory_kinds": sorted(host_kinds),
         "cache_bytes": sorted(cache.values()),
+        "cache_tokens": engine.scheduler.allocator.num_pages * engine.scheduler.page_size,
         "field_bytes": {name: sorted(held.values()) for name, held in fields.items()},
     }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_llm_runtime.runtime.parallel.kv_heads import kv_replicas
 from jax_llm_runtime.runtime.parallel.sharding import ShardingError, build_mesh, check_divisible
 from tests.models.harness import TINY, save_random_model
 from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
@@ -175,10 +176,38 @@ def test_deepseek_mla_without_q_lora_packed_over_4_devices(tmp_path: Path) -> No
     assert max(wo) < results["1"]["field_bytes"]["wo"][0] / 2
 
 
+@pytest.mark.slow
+def test_kv_heads_fewer_than_the_devices_are_repeated(tmp_path: Path) -> None:
+    """2 KV heads over 4 devices: each KV head is repeated on 2 devices (its projections'
+    columns, plain and packed), every device holds one head of the cache, and the greedy tokens
+    are the one-device tokens."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        **{**BASE, "num_attention_heads": 8, "num_key_value_heads": 2}
+    )
+    save_random_model(config, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    for extra in ({}, {"isq": "q4_0"}):
+        results = run_sharded(tmp_path, "1,2,4", extra)
+        for size in ("2", "4"):
+            assert results[size]["tokens"] == results["1"]["tokens"], (extra, size)
+            assert len(set(results[size]["cache_bytes"])) == 1
+        # One device: 2 heads of 64 values per cached token; four: 1 head each.
+        per_token = {n: results[n]["cache_bytes"][0] / results[n]["cache_tokens"] for n in "124"}
+        assert per_token["4"] == per_token["1"] / 2 == per_token["2"]
+
+
 def test_heads_that_do_not_divide_are_a_clear_error() -> None:
     with pytest.raises(ShardingError, match="3 KV heads do not divide by --tensor-parallel-size 2"):
         check_divisible(6, 3, 2, is_mla=False)
+    with pytest.raises(
+        ShardingError, match=r"3 KV heads do not divide by --tensor-parallel-size 4 \(nor divide it"
+    ):
+        check_divisible(12, 3, 4, is_mla=False)
     check_divisible(8, 4, 4, is_mla=False)
+    assert [kv_replicas(16, kv, 16, False) for kv in (16, 8, 2, 1)] == [1, 2, 8, 16]
+    assert kv_replicas(8, 4, 2, False) == 1 and kv_replicas(8, 1, 4, True) == 1
     # MLA splits its query heads; its one latent KV "head" is replicated, never split.
     check_divisible(8, 1, 4, is_mla=True)
     with pytest.raises(ShardingError, match="6 attention heads do not divide by --tensor-para"):
