@@ -399,7 +399,7 @@ def _add_device_flags(group: argparse._ArgumentGroup) -> None:
         "--device",
         choices=("cpu", "gpu", "tpu", "metal"),
         default=None,
-        help="JAX platform to run on (gpu = CUDA, metal = Apple GPUs through jax-metal); a "
+        help="JAX platform to run on (gpu = CUDA; metal = a hand-installed Metal plugin, untested); a "
         "platform that is not available is an error (default: JAX's own choice)",
     )
     add(

@@ -75,7 +75,7 @@ def _absent_platform() -> str:
     present = available_platforms()
     absent = [name for name in PLATFORMS if name not in present]
     if not absent:
-        # Never on Linux (jax-metal loads only on macOS) nor on a Mac without CUDA or a TPU.
+        # Never on Linux (a Metal plugin loads only on macOS) nor on a Mac without CUDA or a TPU.
         pytest.skip("cpu, gpu, tpu and metal are all present: none is absent to test with")
     return absent[0]
 
