@@ -79,7 +79,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--mixed",
         default="",
-        help="comma-separated D+P: D decoding sequences and one P-token prompt chunk in one step",
+        help="comma-separated D+P[@S]: D decoding sequences and one P-token prompt chunk (from "
+        "position S, default 0) in one step",
     )
     parser.add_argument(
         "--context", type=int, default=128, help="KV positions per decoding sequence"
@@ -159,17 +160,22 @@ def _batches(args: argparse.Namespace) -> list[tuple[str, StepBatch, int, int]]:
         what = f"decode {num_seqs:>3} seqs" if q_len == 1 else f"prefill {q_len:>4} tokens"
         out.append((what, batch, num_seqs * pages, 5 if q_len == 1 else 2))
     for spec in (m for m in args.mixed.split(",") if m):
-        decodes, prompt = (int(n) for n in spec.split("+"))
-        batch, num_pages = _mixed_batch(decodes, prompt, args.context)
-        out.append((f"mixed {decodes}+{prompt:<4}", batch, num_pages, 2))
+        counts, _, offset = spec.partition("@")
+        decodes, prompt = (int(n) for n in counts.split("+"))
+        batch, num_pages = _mixed_batch(decodes, prompt, args.context, int(offset or 0))
+        out.append((f"mixed {spec:<9}", batch, num_pages, 2))
     return out
 
 
-def _mixed_batch(decodes: int, prompt: int, context: int) -> tuple[StepBatch, int]:
-    """``decodes`` sequences with one token at ``context`` and a ``prompt``-token chunk from 0."""
-    pages = -(-(max(context + 1, prompt)) // PAGE_SIZE)
+def _mixed_batch(
+    decodes: int, prompt: int, context: int, offset: int = 0
+) -> tuple[StepBatch, int]:
+    """``decodes`` sequences with one token at ``context`` and a ``prompt``-token chunk from
+    position ``offset`` (the chunk attends over the ``offset`` positions before it too)."""
+    pages = -(-(max(context + 1, offset + prompt)) // PAGE_SIZE)
     lengths = [1] * decodes + [prompt]
-    positions = np.concatenate([np.full(decodes, context), np.arange(prompt)]).astype(np.int32)
+    chunk = np.arange(offset, offset + prompt)
+    positions = np.concatenate([np.full(decodes, context), chunk]).astype(np.int32)
     q_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     num_seqs, num_tokens = decodes + 1, decodes + prompt
     batch = StepBatch(
@@ -178,7 +184,7 @@ def _mixed_batch(decodes: int, prompt: int, context: int) -> tuple[StepBatch, in
         seq_ids=np.repeat(np.arange(num_seqs), lengths).astype(np.int32),
         valid=np.ones(num_tokens, bool),
         q_starts=q_starts,
-        kv_lens=np.asarray([context + 1] * decodes + [prompt], np.int32),
+        kv_lens=np.asarray([context + 1] * decodes + [offset + prompt], np.int32),
         page_indices=np.arange(num_seqs * pages, dtype=np.int32).reshape(num_seqs, pages),
         last_rows=(q_starts[1:] - 1).astype(np.int32),
     )

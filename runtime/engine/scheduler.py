@@ -426,14 +426,15 @@ def chunk_tokens(start: int, room: float, prefix_cost: int | None) -> int:
     return max(1, int(length))
 
 
-def prefix_cost_positions(config: Any) -> int:
+def prefix_cost_positions(config: Any, attention_flop_cost: float = 1.0) -> int:
     """``prefix_cost`` for a decoder: the positions of attention (a score and a weighted value
     per query head, 4 flops per head dimension) whose flops equal one token's projections and
-    LM head, the projections counted as a dense transformer's 12 * hidden^2 per layer. For
-    SmolLM2-135M 4,275."""
+    LM head, the projections counted as a dense transformer's 12 * hidden^2 per layer, divided
+    by ``attention_flop_cost``, what an attention flop costs against a projection's on the
+    backend (``CPU_ATTENTION_FLOP_COST``). For SmolLM2-135M 4,275 positions, 1,069 on CPU."""
     d, layers = config.hidden_size, config.num_layers
     attention = config.attention
     q_dim = attention.num_heads * getattr(attention, "head_dim", config.head_dim)
     token = 2 * (12 * d * d * layers + d * config.vocab_size)
-    per_position = 4 * layers * q_dim
+    per_position = 4 * layers * q_dim * attention_flop_cost
     return max(1, round(token / per_position))

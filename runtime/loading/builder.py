@@ -52,6 +52,11 @@ CPU_DECODE_STEPS = 4
 # gap four steps long, which made multi-step decode the 99th percentile of the streams'
 # inter-token gaps (BENCHMARKS.md, "Mixed batches").
 CPU_MULTI_STEP_SEQS = 4
+# What a prompt chunk's attention flop costs on CPU against a projection flop, for the step's
+# token budget (scheduler.prefix_cost_positions): a SmolLM2 step of 16 decode rows and a
+# 49-token chunk took 2.26x as long after 1,950 positions as from position 0, where counting
+# flops alone predicts 1.34x (tools/bench_decode_step.py --mixed 15+49,15+49@1950).
+CPU_ATTENTION_FLOP_COST = 4.0
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -214,7 +219,9 @@ def _build_replica(
         max_num_batched_tokens=budget,
         mixed=mixed,
         multi_step_seqs=multi_step_seqs,
-        prefix_cost=prefix_cost_positions(model_config),
+        prefix_cost=prefix_cost_positions(
+            model_config, CPU_ATTENTION_FLOP_COST if jax.default_backend() == "cpu" else 1.0
+        ),
     )
     name = config.served_model_name or files.name
     embedder = None

@@ -462,3 +462,4 @@ def test_prefix_cost_of_smollm2():
         hidden_size=576, num_layers=30, vocab_size=49152, attention=attention, head_dim=64
     )
     assert prefix_cost_positions(config) == 4275
+    assert prefix_cost_positions(config, attention_flop_cost=4.0) == 1069
