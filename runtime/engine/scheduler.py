@@ -175,9 +175,9 @@ class Scheduler:
 
     def _decode_steps(self, decodes: list[Sequence]) -> int:
         """``decode_steps`` when nothing else waits, at most ``multi_step_seqs`` sequences
-        decode, every sequence has room for that many more
-        positions, none needs per-token host work (logprobs, penalties, stop tokens banned
-        until min_tokens) and the pages for all of them are free without preempting; else 1."""
+        decode, every sequence has room for that many more positions, none needs per-token host
+        work (logprobs, penalties, stop tokens banned until min_tokens) and the pages for all of
+        them are free without preempting; else 1."""
         k = self.decode_steps
         if k == 1 or self.waiting:
             return 1
@@ -409,7 +409,9 @@ def chunk_cost(start: int, length: int, prefix_cost: int | None) -> float:
     budget: its tokens, each also paying for the positions it attends over (the prefix and the
     chunk's earlier tokens, about ``start + length / 2`` on average) at one token per
     ``prefix_cost`` positions. So the last chunks of a long prompt, whose attention reads
-    thousands of positions, are shorter, and a step's time stays near the budget's."""
+    thousands of positions, are shorter, and a step's time stays near the budget's. (Sliding
+    layers read only their window: for those models this overcounts, and chunks are shorter
+    than they need be.)"""
     if prefix_cost is None:
         return length
     return length * (1 + (start + length / 2) / prefix_cost)
