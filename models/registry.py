@@ -13,6 +13,7 @@ from jax_llm_runtime.models import checkpoint, decoder
 from jax_llm_runtime.models.families import (
     gemma,
     glm4,
+    glm4_moe,
     llama,
     mistral,
     moe_models,
@@ -103,6 +104,14 @@ _SPECS = {
             "DeepseekV2ForCausalLM",
             moe_models.deepseek_config_from_hf,
             moe_models.DEEPSEEK_WEIGHT_RULES,
+        ),
+        ModelSpec(
+            "Glm4MoeForCausalLM",
+            glm4_moe.glm4_moe_config_from_hf,
+            glm4_moe.load,
+            decoder.forward,
+            decoder.hidden_states,
+            decoder.lm_head,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",
