@@ -86,3 +86,31 @@ def test_glm4_moe_skips_next_token_prediction_layers():
     assert [name for name, _ in kept] == names[:2]
     with pytest.raises(WeightLoadError, match="names layer 4"):
         list(without_nextn_layers(cfg, [("model.layers.4.eh_proj.weight", None)], num_nextn=1))
+
+
+def save_tp_model(hf_config, folder: Path) -> None:
+    """A tiny model for the engine on 4 fake devices (``tests/runtime/test_tensor_parallel``)."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+
+    save_with_router_bias(hf_config, folder)
+    save_byte_tokenizer(folder)
+
+
+@pytest.mark.slow
+def test_glm4_moe_tensor_and_expert_parallel(tmp_path: Path) -> None:
+    import transformers
+
+    from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
+
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2, head_dim=16)
+    config = transformers.Glm4MoeConfig(
+        **{**BASE, **GLM4_MOE, **shape}, use_qk_norm=True, n_group=2, topk_group=1
+    )
+    save_tp_model(config, tmp_path)
+    # Attention, the dense layer's MLP and the shared expert split by heads and columns; the
+    # routed experts are split over the devices too (expert parallelism).
+    results = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
+    check_split(results)
+    single = results["1"]["expert_bytes"][0]
+    for size, result in results.items():
+        assert set(result["expert_bytes"]) == {single // int(size)}, "each device: 1/N experts"
