@@ -47,12 +47,16 @@ class ModelSpec:
 
 
 def _decoder(
-    hf_architecture: str, config_from_hf: Callable[[dict[str, Any]], Any], rules: tuple
+    hf_architecture: str,
+    config_from_hf: Callable[[dict[str, Any]], Any],
+    rules: tuple,
+    load: Callable[..., Any] = checkpoint.load,
 ) -> ModelSpec:
+    """A configuration of the shared decoder; ``load`` takes the checkpoint rules by keyword."""
     return ModelSpec(
         hf_architecture,
         config_from_hf,
-        partial(checkpoint.load, rules=rules),
+        partial(load, rules=rules),
         decoder.forward,
         decoder.hidden_states,
         decoder.lm_head,
@@ -105,13 +109,17 @@ _SPECS = {
             moe_models.deepseek_config_from_hf,
             moe_models.DEEPSEEK_WEIGHT_RULES,
         ),
-        ModelSpec(
+        _decoder(
             "Glm4MoeForCausalLM",
             glm4_moe.glm4_moe_config_from_hf,
+            glm4_moe.GLM4_MOE_WEIGHT_RULES,
             glm4_moe.load,
-            decoder.forward,
-            decoder.hidden_states,
-            decoder.lm_head,
+        ),
+        _decoder(
+            "Glm4MoeLiteForCausalLM",
+            glm4_moe.glm4_moe_lite_config_from_hf,
+            glm4_moe.GLM4_MOE_LITE_WEIGHT_RULES,
+            glm4_moe.load,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",

@@ -1,6 +1,8 @@
-"""GLM-4.5 MoE against HF transformers on tiny random models (see harness.py): partial rotary
-over rotated halves, optional q/k norms, dense first layers, sigmoid routing steered by a
-correction bias inside the best expert groups, routed scaling and a shared expert.
+"""GLM-4.5 MoE and GLM-4-MoE-lite against HF transformers on tiny random models (see
+harness.py), and over tensor-parallel sizes on fake devices: partial rotary over rotated halves
+(GLM-4.5) or multi-head latent attention (lite), optional q/k norms, dense first layers, sigmoid
+routing steered by a correction bias inside the best expert groups, routed scaling and a shared
+expert.
 """
 
 from __future__ import annotations
@@ -88,6 +90,45 @@ def test_glm4_moe_skips_next_token_prediction_layers():
         list(without_nextn_layers(cfg, [("model.layers.4.eh_proj.weight", None)], num_nextn=1))
 
 
+_LITE = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    routed_scaling_factor=1.8,
+    n_group=2,
+    topk_group=1,
+    **MOE,
+)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_glm4_moe_lite(tmp_path, q_lora_rank):
+    kinds = ["dense", "sparse", "sparse"]
+    hf = _config("Glm4MoeLiteConfig", q_lora_rank=q_lora_rank, mlp_layer_types=kinds, **_LITE)
+    model = check_biased(hf, tmp_path)
+    assert model.config.segments == ((0, 1, False), (1, 3, True))
+    assert model.config.cache_shapes(5, 4) == ((3, 5, 4, 1, 24), (3, 5, 4, 1, 0))
+    assert model.config.attention.rope.interleaved
+
+
+def test_glm4_moe_lite_refusals():
+    from jax_llm_runtime.models.registry import get_model_spec
+
+    config_from_hf = get_model_spec("Glm4MoeLiteForCausalLM").config_from_hf
+    hf = {**TINY, **_LITE, "q_lora_rank": None, "model_type": "glm4_moe_lite"}
+    with pytest.raises(ValueError, match="interleaved"):
+        config_from_hf({**hf, "mlp_layer_types": ["dense", "sparse", "dense"]})
+    with pytest.raises(ValueError, match="mlp_layer_types must name"):
+        config_from_hf({**hf, "mlp_layer_types": ["dense", "sparse"]})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5 is not supported"):
+        config_from_hf({**hf, "rope_parameters": {"partial_rotary_factor": 0.5}})
+
+
 def save_tp_model(hf_config, folder: Path) -> None:
     """A tiny model for the engine on 4 fake devices (``tests/runtime/test_tensor_parallel``)."""
     from tests.models.tiny_tokenizer import save_byte_tokenizer
@@ -114,3 +155,22 @@ def test_glm4_moe_tensor_and_expert_parallel(tmp_path: Path) -> None:
     single = results["1"]["expert_bytes"][0]
     for size, result in results.items():
         assert set(result["expert_bytes"]) == {single // int(size)}, "each device: 1/N experts"
+
+
+@pytest.mark.slow
+def test_glm4_moe_lite_tensor_and_expert_parallel(tmp_path: Path) -> None:
+    import transformers
+
+    from tests.runtime.test_tensor_parallel import BASE, check_mla_split, run_sharded
+
+    shape = dict(num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], q_lora_rank=32)
+    config = transformers.Glm4MoeLiteConfig(**{**BASE, **_LITE, **shape})
+    save_tp_model(config, tmp_path)
+    # A 35-token prompt takes two chunks, so decode reads latents of earlier steps. The query
+    # heads split; the latent cache and the low-rank projections stay whole on every device.
+    extra = {"prefill_chunk_size": 32, "expert_parallel": True}
+    results = run_sharded(tmp_path, "1,2,4", extra)
+    single = results["1"]
+    check_mla_split(single, results, ("wq_b", "wkv_b", "wo"))
+    for size, result in results.items():
+        assert set(result["expert_bytes"]) == {single["expert_bytes"][0] // int(size)}
