@@ -15,6 +15,7 @@ from jax_llm_runtime.models.families import (
     glm4,
     glm4_moe,
     llama,
+    minimax_m2,
     mistral,
     moe_models,
     phi,
@@ -120,6 +121,11 @@ _SPECS = {
             glm4_moe.glm4_moe_lite_config_from_hf,
             glm4_moe.GLM4_MOE_LITE_WEIGHT_RULES,
             glm4_moe.load,
+        ),
+        _decoder(
+            "MiniMaxM2ForCausalLM",
+            minimax_m2.minimax_m2_config_from_hf,
+            minimax_m2.MINIMAX_M2_WEIGHT_RULES,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",

@@ -1,8 +1,8 @@
-"""GLM-4.5 MoE and GLM-4-MoE-lite against HF transformers on tiny random models (see
-harness.py), and over tensor-parallel sizes on fake devices: partial rotary over rotated halves
-(GLM-4.5) or multi-head latent attention (lite), optional q/k norms, dense first layers, sigmoid
-routing steered by a correction bias inside the best expert groups, routed scaling and a shared
-expert.
+"""GLM-4.5 MoE, GLM-4-MoE-lite and MiniMax-M2 against HF transformers on tiny random models
+(see harness.py), and over tensor-parallel sizes on fake devices: partial rotary over rotated
+halves (GLM-4.5, MiniMax-M2) or multi-head latent attention (lite), q/k norms per head (GLM-4.5)
+or over all heads (MiniMax-M2), dense first layers, sigmoid routing steered by a correction bias
+(inside the best expert groups for GLM), routed scaling and a shared expert (GLM).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def _config(name: str, **fields):
 
 
 def save_with_router_bias(hf_config, folder: Path, seed: int = 0):
-    """A seeded random HF model whose correction biases are random too (HF initialises them
-    to zero, which would leave their effect on the choice untested); saved as safetensors."""
+    """A seeded random HF model whose correction biases and norm weights are random too (HF
+    initialises them to zero and one, which would leave the biases' effect on the choice and
+    the norm weights' layout untested); saved as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -48,6 +49,9 @@ def save_with_router_bias(hf_config, folder: Path, seed: int = 0):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.05)
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder, safe_serialization=True)
     return model
 
@@ -127,6 +131,31 @@ def test_glm4_moe_lite_refusals():
         config_from_hf({**hf, "mlp_layer_types": ["dense", "sparse"]})
     with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5 is not supported"):
         config_from_hf({**hf, "rope_parameters": {"partial_rotary_factor": 0.5}})
+
+
+MINIMAX_M2 = dict(
+    head_dim=32, rotary_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32
+)
+
+
+def test_minimax_m2(tmp_path):
+    model = check_biased(_config("MiniMaxM2Config", **MINIMAX_M2), tmp_path)
+    cfg = model.config
+    assert cfg.segments == ((0, 2, True),)
+    assert cfg.attention.qk_norm_all_heads and cfg.attention.rope.rotary_dim == 16
+    assert cfg.attention.rope.theta == 5e6
+
+
+def test_minimax_m2_refuses_settings_transformers_never_reads():
+    from jax_llm_runtime.models.registry import get_model_spec
+
+    config_from_hf = get_model_spec("MiniMaxM2ForCausalLM").config_from_hf
+    hf = {**TINY, **MINIMAX_M2, "qk_norm_type": "per_layer", "scoring_func": "sigmoid"}
+    assert config_from_hf(hf).moe.scoring == "sigmoid"
+    with pytest.raises(ValueError, match="scoring_func='softmax' is not supported"):
+        config_from_hf({**hf, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="qk_norm_type='per_head' is not supported"):
+        config_from_hf({**hf, "qk_norm_type": "per_head"})
 
 
 def save_tp_model(hf_config, folder: Path) -> None:
