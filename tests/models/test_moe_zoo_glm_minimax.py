@@ -203,3 +203,20 @@ def test_glm4_moe_lite_tensor_and_expert_parallel(tmp_path: Path) -> None:
     check_mla_split(single, results, ("wq_b", "wkv_b", "wo"))
     for size, result in results.items():
         assert set(result["expert_bytes"]) == {single["expert_bytes"][0] // int(size)}
+
+
+@pytest.mark.slow
+def test_minimax_m2_tensor_and_expert_parallel(tmp_path: Path) -> None:
+    """The q/k norms span all heads while each device holds only its heads' features: the
+    norms' weights split with the heads and their means are reduced over the devices."""
+    import transformers
+
+    from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
+
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, rotary_dim=8)
+    config = transformers.MiniMaxM2Config(**{**BASE, **MINIMAX_M2, **shape})
+    save_tp_model(config, tmp_path)
+    results = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
+    check_split(results)
+    norms = results["4"]["field_bytes"]["q_norm"]
+    assert norms == [results["1"]["field_bytes"]["q_norm"][0] // 4] * 4
