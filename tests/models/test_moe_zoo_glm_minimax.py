@@ -158,6 +158,16 @@ def test_minimax_m2_refuses_settings_transformers_never_reads():
         config_from_hf({**hf, "qk_norm_type": "per_head"})
 
 
+def test_gguf_glm4_moe_with_softmax_gating_is_refused(tmp_path):
+    from jax_llm_runtime.runtime.loading.gguf.loader import GGUFError, load_gguf_checkpoint
+    from tests.models.gguf_writer import write_gguf
+
+    hf = _config("Glm4MoeConfig", **GLM4_MOE, scoring_func="softmax")
+    files = write_gguf(save_with_router_bias(hf, tmp_path / "hf"), hf, tmp_path / "m.gguf")
+    with pytest.raises(GGUFError, match="expert_gating_func is 1; this architecture routes"):
+        load_gguf_checkpoint(files[0])
+
+
 def save_tp_model(hf_config, folder: Path) -> None:
     """A tiny model for the engine on 4 fake devices (``tests/runtime/test_tensor_parallel``)."""
     from tests.models.tiny_tokenizer import save_byte_tokenizer
