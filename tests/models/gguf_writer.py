@@ -318,4 +318,6 @@ _ARCHS = {
     "MiniMaxM2ForCausalLM": _Arch(_A.MINIMAXM2, minimax_m2_metadata, _mixtral_experts),
     "DeepseekV2ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
     "DeepseekV3ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
+    # llama.cpp converts GLM-4-MoE-lite as a DeepSeek V2/V3 model.
+    "Glm4MoeLiteForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
 }

@@ -120,6 +120,23 @@ def test_glm4_moe_lite(tmp_path, q_lora_rank):
     assert model.config.attention.rope.interleaved
 
 
+def test_glm4_moe_lite_gguf_runs_as_deepseek_v3(tmp_path):
+    """llama.cpp writes GLM-4-MoE-lite files as ``deepseek2``; they load as DeepSeek V3 (the
+    same layers) and run like the lite model they came from. The converter reads
+    ``first_k_dense_replace``, which released lite configs carry."""
+    from jax_llm_runtime.runtime.loading.gguf.loader import load_gguf_checkpoint
+    from tests.models.gguf_writer import write_gguf
+    from tests.models.harness import load_checkpoint
+
+    fields = dict(q_lora_rank=24, mlp_layer_types=["dense", "sparse", "sparse"])
+    hf = _config("Glm4MoeLiteConfig", first_k_dense_replace=1, **fields, **_LITE)
+    hf_model = save_with_router_bias(hf, tmp_path / "hf")
+    files = write_gguf(hf_model, hf_model.config, tmp_path / "model.gguf")
+    checkpoint = load_gguf_checkpoint(files[0])
+    assert checkpoint.config["architectures"] == ["DeepseekV3ForCausalLM"]
+    check_model(load_checkpoint(checkpoint), hf_model)
+
+
 def test_glm4_moe_lite_refusals():
     from jax_llm_runtime.models.registry import get_model_spec
 
