@@ -13,7 +13,9 @@ from jax_llm_runtime.models import checkpoint, decoder
 from jax_llm_runtime.models.families import (
     gemma,
     glm4,
+    glm4_moe,
     llama,
+    minimax_m2,
     mistral,
     moe_models,
     phi,
@@ -46,12 +48,16 @@ class ModelSpec:
 
 
 def _decoder(
-    hf_architecture: str, config_from_hf: Callable[[dict[str, Any]], Any], rules: tuple
+    hf_architecture: str,
+    config_from_hf: Callable[[dict[str, Any]], Any],
+    rules: tuple,
+    load: Callable[..., Any] = checkpoint.load,
 ) -> ModelSpec:
+    """A configuration of the shared decoder; ``load`` takes the checkpoint rules by keyword."""
     return ModelSpec(
         hf_architecture,
         config_from_hf,
-        partial(checkpoint.load, rules=rules),
+        partial(load, rules=rules),
         decoder.forward,
         decoder.hidden_states,
         decoder.lm_head,
@@ -103,6 +109,23 @@ _SPECS = {
             "DeepseekV2ForCausalLM",
             moe_models.deepseek_config_from_hf,
             moe_models.DEEPSEEK_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Glm4MoeForCausalLM",
+            glm4_moe.glm4_moe_config_from_hf,
+            glm4_moe.GLM4_MOE_WEIGHT_RULES,
+            glm4_moe.load,
+        ),
+        _decoder(
+            "Glm4MoeLiteForCausalLM",
+            glm4_moe.glm4_moe_lite_config_from_hf,
+            glm4_moe.GLM4_MOE_LITE_WEIGHT_RULES,
+            glm4_moe.load,
+        ),
+        _decoder(
+            "MiniMaxM2ForCausalLM",
+            minimax_m2.minimax_m2_config_from_hf,
+            minimax_m2.MINIMAX_M2_WEIGHT_RULES,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",

@@ -20,7 +20,7 @@ from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.weights import WeightRule
 
 
-def _first_moe_layer(flags: list[bool]) -> int:
+def first_moe_layer(flags: list[bool]) -> int:
     """The layer the experts start at, given which layers are MoE (a dense prefix is fine)."""
     first = flags.index(True) if True in flags else len(flags)
     if not all(flags[first:]):
@@ -64,7 +64,7 @@ def _qwen_moe(hf: dict[str, Any], shared: bool) -> tuple[MoEConfig, int]:
         shared_gate=shared,
         activation=hf.get("hidden_act", "silu"),
     )
-    return moe, _first_moe_layer(flags)
+    return moe, first_moe_layer(flags)
 
 
 def qwen2_moe_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
@@ -92,17 +92,15 @@ def qwen3_moe_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     )
 
 
-def deepseek_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
-    """DeepSeek V2 (softmax routing, optional group-limited greedy) and V3/R1 (sigmoid routing
-    with a correction bias, groups ranked by their best two experts)."""
-    num_layers = int(hf["num_hidden_layers"])
-    first = int(hf.get("first_k_dense_replace", 0))
-    freq = int(hf.get("moe_layer_freq", 1))
-    _first_moe_layer([i >= first and i % freq == 0 for i in range(num_layers)])
-    v2 = hf.get("model_type") == "deepseek_v2"
+def deepseek_moe(hf: dict[str, Any], v2: bool = False) -> MoEConfig:
+    """The routed and shared experts of DeepSeek V2 (softmax routing, optional group-limited
+    greedy) or V3/R1 (sigmoid routing with a correction bias, groups ranked by their best two
+    experts); GLM-4.5's MoE layers use V3's."""
     grouped = not v2 or hf.get("topk_method") == "group_limited_greedy"
+    # One group keeps every expert: the grouped choice would be the plain one.
+    grouped = grouped and int(hf.get("n_group") or 1) > 1
     inter = int(hf["moe_intermediate_size"])
-    moe = MoEConfig(
+    return MoEConfig(
         num_experts=int(hf["n_routed_experts"]),
         top_k=int(hf["num_experts_per_tok"]),
         expert_intermediate_size=inter,
@@ -110,13 +108,23 @@ def deepseek_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         # transformers' V2 router never renormalises; V3 follows its config.
         norm_topk_prob=False if v2 else bool(hf.get("norm_topk_prob", True)),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        num_groups=int(hf["n_group"]) if grouped and hf.get("n_group") else None,
-        topk_groups=int(hf["topk_group"]) if grouped and hf.get("n_group") else None,
+        num_groups=int(hf["n_group"]) if grouped else None,
+        topk_groups=int(hf["topk_group"]) if grouped else None,
         group_score_topn=1 if v2 else 2,
         has_router_bias=not v2,
         shared_intermediate_size=inter * int(hf.get("n_shared_experts") or 0),
         activation=hf.get("hidden_act", "silu"),
     )
+
+
+def deepseek_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
+    """DeepSeek V2 and V3/R1: multi-head latent attention, dense first layers, then
+    ``deepseek_moe``'s experts."""
+    num_layers = int(hf["num_hidden_layers"])
+    first = int(hf.get("first_k_dense_replace", 0))
+    freq = int(hf.get("moe_layer_freq", 1))
+    first_moe_layer([i >= first and i % freq == 0 for i in range(num_layers)])
+    moe = deepseek_moe(hf, v2=hf.get("model_type") == "deepseek_v2")
     base = llama_like({**hf, "head_dim": hf.get("v_head_dim")}, moe=moe, first_moe_layer=first)
     return dataclasses.replace(base, attention=mla_config_from_hf(hf))
 
@@ -159,12 +167,13 @@ QWEN_MOE_WEIGHT_RULES = (
     WeightRule(LAYER + r"mlp\.shared_expert\.down_proj\.weight", "s_down", True, True),
     WeightRule(LAYER + r"mlp\.shared_expert_gate\.weight", "s_router", True, True),
 )
-DEEPSEEK_WEIGHT_RULES = (
-    *_DENSE_RULES,
-    *MLA_WEIGHT_RULES,
+# DeepSeek V3's MoE layer names (router, its correction bias, routed and shared experts), which
+# GLM-4.5 shares.
+DEEPSEEK_MOE_RULES = (
     *_SHARED_AND_ROUTER,
     WeightRule(LAYER + r"mlp\.gate\.e_score_correction_bias", "router_bias", per_layer=True),
     WeightRule(LAYER + r"mlp\.shared_experts\.gate_proj\.weight", "s_gate", True, True),
     WeightRule(LAYER + r"mlp\.shared_experts\.up_proj\.weight", "s_up", True, True),
     WeightRule(LAYER + r"mlp\.shared_experts\.down_proj\.weight", "s_down", True, True),
 )
+DEEPSEEK_WEIGHT_RULES = (*_DENSE_RULES, *MLA_WEIGHT_RULES, *DEEPSEEK_MOE_RULES)

@@ -5,7 +5,8 @@ and without it (plain causal attention over the given tokens, for embeddings and
 ``wq``, ``wk``, ``wv``, ``wo`` always, with biases ``bq``, ``bk``, ``bv`` when ``qkv_bias``
 (Qwen2, Phi-2, StableLM, GLM-4) and ``bo`` when ``o_bias`` (Phi-2); the norms ``q_norm``,
 ``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set (Qwen3,
-Gemma-3, Phi-2, StableLM 2).
+Gemma-3, Phi-2, StableLM 2): over each head, or over all heads of q and of k at once with
+``qk_norm_all_heads`` (MiniMax-M2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class AttentionConfig:
     o_bias: bool = False
     qk_norm: NormConfig | None = None  # norm over each head of q and k before rope when set
     qk_norm_per_head: bool = False  # a separate norm weight per head (StableLM 2)
+    # One norm over all heads' features of q, and one of k, before splitting heads (MiniMax-M2).
+    qk_norm_all_heads: bool = False
     local_rope: RopeConfig | None = None
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
@@ -78,6 +81,8 @@ class AttentionConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.soft_cap is not None and not self.soft_cap > 0:
             raise ValueError(f"attention soft-cap must be > 0, got {self.soft_cap}")
+        if self.qk_norm_all_heads and (self.qk_norm is None or self.qk_norm_per_head):
+            raise ValueError("qk_norm_all_heads needs qk_norm, with no weight per head")
         if self.rope.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary dim {self.rope.rotary_dim} is larger than head_dim {self.head_dim}"
@@ -114,10 +119,14 @@ def project_qkv(
     """q [..., num_heads, head_dim] and k, v [..., num_kv_heads, head_dim], with q and k normed
     (when configured), rotated, and q position-scaled (when configured)."""
     cfg, lead = layer.cfg, x.shape[:-1]
-    q = layer.wq(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = layer.wk(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    q, k = layer.wq(x), layer.wk(x)  # [..., num_heads * head_dim], [..., num_kv_heads * head_dim]
+    normed = layer.q_norm is not None and layer.k_norm is not None
+    if normed and cfg.qk_norm_all_heads:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = layer.wv(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:
+    if normed and not cfg.qk_norm_all_heads:
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = _rotate(cfg, q, k, positions, meta)
     if cfg.position_query_scale is not None:
@@ -308,6 +317,9 @@ class Attention(Block):
         self, lead: Sequence[int], heads: int, axis: str, dtype: jnp.dtype, field: str
     ) -> Norm:
         cfg, stack = self.cfg, layer_axes(lead)
+        if cfg.qk_norm_all_heads:  # split with the projection's heads; its mean is all-reduced
+            shape, axes = (*lead, heads * cfg.head_dim), (*stack, axis)
+            return Norm(cfg.qk_norm, shape, axes, dtype, field)
         if cfg.qk_norm_per_head:  # one weight per head (StableLM 2), no bias
             shape, axes = (*lead, heads, cfg.head_dim), (*stack, axis, HEAD_DIM)
             return Norm(cfg.qk_norm, shape, axes, dtype, field, bias=False)

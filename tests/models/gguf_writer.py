@@ -29,8 +29,10 @@ from tests.models.gguf_writer_metadata import (
     gemma2_metadata,
     gemma3_metadata,
     glm4_metadata,
+    glm4_moe_metadata,
     head_dim_of,
     llama_metadata,
+    minimax_m2_metadata,
     moe_metadata,
     phi3_metadata,
     rope_parameters,
@@ -224,6 +226,23 @@ def _moe_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
     return _stack_experts(state)
 
 
+def _mixtral_experts(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    return _stack_experts(state, mixtral=True)
+
+
+def _glm4_moe_nextn_layers(hp: dict[str, Any]) -> Tensors:
+    """The converter's next-token-prediction layers after the last decoder layer: transformers
+    builds none, so a few of their tensors are made up here for the loader to skip."""
+    h, first = hp["hidden_size"], hp["num_hidden_layers"]
+    rng = np.random.default_rng(0)
+    out = {}
+    for layer in range(first, first + (hp.get("num_nextn_predict_layers") or 0)):
+        out[f"blk.{layer}.nextn.eh_proj.weight"] = rng.standard_normal((h, 2 * h), np.float32)
+        for norm in ("nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_norm"):
+            out[f"blk.{layer}.{norm}.weight"] = np.ones(h, np.float32)
+    return out
+
+
 def _stablelm_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
     out, norms = {}, {}
     for name, array in state.items():
@@ -293,6 +312,12 @@ _ARCHS = {
     "Gemma3ForCausalLM": _Arch(_A.GEMMA3, gemma3_metadata, _gemma_tensors),
     "StableLmForCausalLM": _Arch(_A.STABLELM, stablelm_metadata, _stablelm_tensors),
     "Glm4ForCausalLM": _Arch(_A.GLM4, glm4_metadata, _unchanged),
+    "Glm4MoeForCausalLM": _Arch(
+        _A.GLM4_MOE, glm4_moe_metadata, _moe_tensors, _glm4_moe_nextn_layers
+    ),
+    "MiniMaxM2ForCausalLM": _Arch(_A.MINIMAXM2, minimax_m2_metadata, _mixtral_experts),
     "DeepseekV2ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
     "DeepseekV3ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
+    # llama.cpp converts GLM-4-MoE-lite as a DeepSeek V2/V3 model.
+    "Glm4MoeLiteForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
 }

@@ -181,3 +181,26 @@ def deepseek_metadata(w: gguf.GGUFWriter, hp: dict[str, Any], split_kv_b: bool =
     full, _ = rope_parameters(hp)
     if full.get("mscale_all_dim") is not None:
         w.add_rope_scaling_yarn_log_mul(0.1 * full["mscale_all_dim"])
+
+
+def glm4_moe_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """GLM-4.5 MoE: block_count counts the next-token-prediction layers too; sigmoid gating."""
+    nextn = hp.get("num_nextn_predict_layers") or 0
+    text_metadata(w, {**hp, "num_hidden_layers": hp["num_hidden_layers"] + nextn})
+    full, _ = rope_parameters(hp)
+    fraction = full.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.5))
+    w.add_rope_dimension_count(int(head_dim_of(hp) * fraction))
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    if hp.get("scoring_func") is None:  # text_metadata wrote it otherwise
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_nextn_predict_layers(nextn)
+
+
+def minimax_m2_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    text_metadata(w, hp)
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_rope_dimension_count(hp.get("rotary_dim") or _rotary_dims(hp))

@@ -142,6 +142,27 @@ CASES = {
         topk_group=1,
         topk_method="group_limited_greedy",
     ),
+    # One next-token-prediction layer in the file (the converter's default), skipped on load.
+    "glm4_moe": lambda: _config(
+        "Glm4MoeConfig",
+        **{**TINY, **MOE, "num_hidden_layers": 3},
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        head_dim=16,
+        use_qk_norm=True,
+        attention_bias=True,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1,
+    ),
+    "minimax_m2": lambda: _config(
+        "MiniMaxM2Config",
+        **{**TINY, "intermediate_size": 32},
+        head_dim=16,
+        rotary_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
 }
 
 

@@ -20,7 +20,9 @@ from jax_llm_runtime.runtime.loading.gguf.config import (
     finish_gemma2,
     finish_gemma3,
     finish_glm4,
+    finish_glm4_moe,
     finish_llama,
+    finish_minimax_m2,
     finish_nothing,
     finish_phi3,
     finish_qwen3,
@@ -115,6 +117,14 @@ _EXPERTS = {
     "ffn_gate_exps": ("mlp.experts.{i}.gate_proj", "num_experts"),
     "ffn_up_exps": ("mlp.experts.{i}.up_proj", "num_experts"),
     "ffn_down_exps": ("mlp.experts.{i}.down_proj", "num_experts"),
+}
+# DeepSeek V3's router, correction bias and shared experts (GLM-4.5 names them the same).
+_SIGMOID_ROUTER = {
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _GEMMA_LAYER = {
     **_ATTENTION,
@@ -296,11 +306,7 @@ ARCHS: dict[str, ArchSpec] = {
             "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
             "attn_kv_a_norm": "self_attn.kv_a_layernorm",
             "attn_kv_b": "self_attn.kv_b_proj",
-            "ffn_gate_inp": "mlp.gate",
-            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-            "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-            "ffn_up_shexp": "mlp.shared_experts.up_proj",
-            "ffn_down_shexp": "mlp.shared_experts.down_proj",
+            **_SIGMOID_ROUTER,
         },
         metadata={
             **_COMMON_METADATA,
@@ -329,5 +335,71 @@ ARCHS: dict[str, ArchSpec] = {
         stacked_tensors={key: (hf, "n_routed_experts") for key, (hf, _) in _EXPERTS.items()},
         merge_kv_b=True,
         finish=finish_deepseek2,
+    ),
+    # The converter counts GLM-4.5's next-token-prediction layers in block_count; finish takes
+    # them back out. It writes no expert groups (released models use one).
+    "glm4moe": _spec(
+        "Glm4MoeForCausalLM",
+        "glm4_moe",
+        {
+            **_ATTENTION,
+            **_QK_NORM,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+            **_SIGMOID_ROUTER,
+        },
+        metadata={
+            **_COMMON_METADATA,
+            **_MOE_METADATA,
+            "expert_count": "n_routed_experts",
+            "expert_shared_count": "n_shared_experts",
+            "expert_weights_scale": "routed_scaling_factor",
+            "expert_weights_norm": "norm_topk_prob",
+            "expert_group_count": "n_group",
+            "expert_group_used_count": "topk_group",
+            "leading_dense_block_count": "first_k_dense_replace",
+            "nextn_predict_layers": "num_nextn_predict_layers",
+        },
+        defaults={
+            "hidden_act": "silu",
+            **_ROPE_DEFAULTS,
+            "first_k_dense_replace": 0,
+            "n_shared_experts": 0,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": False,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_nextn_predict_layers": 0,
+        },
+        stacked_tensors={key: (hf, "n_routed_experts") for key, (hf, _) in _EXPERTS.items()},
+        finish=finish_glm4_moe,
+    ),
+    # MiniMax-M2 keeps Mixtral's expert names; its q/k norms span all heads.
+    "minimax-m2": _spec(
+        "MiniMaxM2ForCausalLM",
+        "minimax_m2",
+        {
+            **_ATTENTION,
+            **_QK_NORM,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "block_sparse_moe.gate",
+            "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias",
+        },
+        metadata={
+            **_COMMON_METADATA,
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+            # HF's intermediate_size is the experts' (every layer is MoE).
+            "expert_feed_forward_length": "intermediate_size",
+        },
+        required=(*_RMS_REQUIRED, "expert_count", "expert_used_count"),
+        stacked_tensors={
+            "ffn_gate_exps": ("block_sparse_moe.experts.{i}.w1", "num_local_experts"),
+            "ffn_down_exps": ("block_sparse_moe.experts.{i}.w2", "num_local_experts"),
+            "ffn_up_exps": ("block_sparse_moe.experts.{i}.w3", "num_local_experts"),
+        },
+        finish=finish_minimax_m2,
     ),
 }

@@ -357,3 +357,36 @@ def finish_deepseek2(config: dict[str, Any], model: GGUFModel) -> None:
         # mscale equal to it, which makes HF's yarn attention factor 1.
         mscale = float(f"{log_mul / 0.1:.6g}")
         config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
+
+
+def finish_glm4_moe(config: dict[str, Any], model: GGUFModel) -> None:
+    """GLM-4.5 MoE: partial rotary, optional q/k/v biases and q/k norms (read off the tensors);
+    the converter counts its next-token-prediction layers in block_count, so they are taken
+    back out (their tensors are skipped: ``tensors.plan_tensors``)."""
+    _check_sigmoid_gating(model)
+    config["partial_rotary_factor"] = _rotary_fraction(config, model)
+    config["attention_bias"] = _has_qkv_bias(model)
+    config["use_qk_norm"] = "attn_q_norm.weight" in model.layer_tensors
+    nextn = config.get("num_nextn_predict_layers", 0)
+    if not 0 <= nextn < config["num_hidden_layers"]:
+        raise GGUFError(
+            f"GGUF metadata: {model.arch}.nextn_predict_layers is {nextn} of "
+            f"{config['num_hidden_layers']} blocks"
+        )
+    config["num_hidden_layers"] -= nextn
+
+
+def finish_minimax_m2(config: dict[str, Any], model: GGUFModel) -> None:
+    """MiniMax-M2: the rotated width is ``rotary_dim`` in HF terms; routing is always sigmoid
+    with a correction bias."""
+    _check_sigmoid_gating(model)
+    config["rotary_dim"] = model.get_int("rope.dimension_count", config["head_dim"])
+
+
+def _check_sigmoid_gating(model: GGUFModel) -> None:
+    func = model.get("expert_gating_func")
+    if func is not None and func != _GATING_SIGMOID:
+        raise GGUFError(
+            f"GGUF metadata: {model.arch}.expert_gating_func is {func}; this architecture "
+            f"routes with sigmoid scores ({_GATING_SIGMOID}) only"
+        )

@@ -48,17 +48,25 @@ def plan_tensors(
     """The rules for every tensor in ``names`` (file order), config tensors left out.
 
     Raises GGUFError for a tensor with no mapping, a layer past ``num_hidden_layers``, or a shape
-    that does not fit the config.
+    that does not fit the config. The ``num_nextn_predict_layers`` layers a converter writes after
+    the last one (GLM-4.5's next-token prediction, for speculative decoding) are skipped.
     """
     rules: list[TensorRule] = []
     done = set(CONFIG_TENSORS)
     for name in names:
-        if name in done:
+        if name in done or _is_nextn(config, name):
             continue
         rule = _rule(spec, config, model, name)
         done.update(rule.sources)
         rules.append(rule)
     return tuple(rules)
+
+
+def _is_nextn(config: dict[str, Any], name: str) -> bool:
+    match = _LAYER_NAME.fullmatch(name)
+    layers = config["num_hidden_layers"]
+    nextn = config.get("num_nextn_predict_layers") or 0
+    return match is not None and layers <= int(match[1]) < layers + nextn
 
 
 def _split_suffix(name: str) -> tuple[str, str]:
