@@ -1,0 +1,192 @@
+"""gpt-oss against HF transformers on tiny random models (see harness.py): attention sinks,
+alternating sliding-window and full layers, yarn rope, biased attention, a biased router and
+biased experts with the clamped SwiGLU; then the same model over 1, 2 and 4 fake CPU devices.
+
+transformers initialises the sinks, the router bias and the expert biases to zero or nearly, and
+the clamp's limit of 7 is never reached by a tiny model's activations; the tests draw those
+weights larger and lower the limit, so that each feature moves the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.models.harness import TINY, check_model, load_ours
+
+WINDOW = 8
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+
+
+def gpt_oss_config(**fields):
+    import transformers
+
+    base = {
+        **TINY,
+        "intermediate_size": 32,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+        "rope_parameters": YARN,
+        "swiglu_limit": 0.2,
+        "pad_token_id": 0,
+    }
+    config = transformers.GptOssConfig(**{**base, **fields})
+    config._experts_implementation = "eager"  # the per-expert loop: the plain reference
+    config._attn_implementation = "eager"
+    return config
+
+
+def save_gpt_oss(config, folder: Path, seed: int = 0):
+    """A seeded random gpt-oss with sinks and biases drawn large enough to matter, saved as
+    safetensors; returns the HF model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    scales = {"sinks": 1.0, "router.bias": 0.5, "proj_bias": 0.1}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for suffix, std in scales.items():
+                if name.endswith(suffix):
+                    param.normal_(0.0, std)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def test_gpt_oss_against_hf(tmp_path):
+    hf_model = save_gpt_oss(gpt_oss_config(), tmp_path)
+    model = load_ours(tmp_path)
+    cfg = model.config
+    assert cfg.sliding_layers == (True, False)
+    assert cfg.attention.sinks and cfg.attention.qkv_bias and cfg.attention.o_bias
+    assert cfg.attention.rope.rope_type == "yarn" and not cfg.attention.rope.truncate
+    assert cfg.moe.swiglu_clamp == (1.702, 0.2)
+    check_model(model, hf_model)
+    check_hidden_states(model, hf_model)
+
+
+def check_hidden_states(model, hf_model) -> None:
+    """The cache-free path (embeddings, prompt scoring) takes the sinks too."""
+    import torch
+
+    ids = np.random.default_rng(3).integers(0, 256, (2, 12)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(12, dtype=np.int32), ids.shape)
+    ours = model.spec.hidden_states(
+        model.config, model.weights, ids, positions, np.asarray([12, 12], np.int32)
+    )
+    with torch.no_grad():
+        ref = hf_model.model(torch.tensor(ids, dtype=torch.long)).last_hidden_state.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=0)
+
+
+def test_gpt_oss_default_rope_and_limit(tmp_path):
+    """A config that names no rope gets transformers' gpt-oss yarn; the limit of 7 holds."""
+    config = gpt_oss_config(rope_parameters=None, swiglu_limit=7.0, num_hidden_layers=3)
+    hf_model = save_gpt_oss(config, tmp_path, seed=1)
+    model = load_ours(tmp_path)
+    rope = model.config.attention.rope
+    assert (rope.factor, rope.original_max_position_embeddings, rope.theta) == (32, 4096, 150000)
+    check_model(model, hf_model, seed=1)
+
+
+def test_interleaved_gate_up_that_does_not_split_is_a_clear_error():
+    from jax_llm_runtime.models.families.gpt_oss import GPT_OSS_WEIGHT_RULES
+    from jax_llm_runtime.models.weights import WeightLoadError, load_host_weights
+
+    shapes = {"e_gate": (1, 2, 4, 3), "e_up": (1, 2, 4, 3)}
+    good = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    host = load_host_weights(shapes, GPT_OSS_WEIGHT_RULES, [(key, good)], np.float32)
+    np.testing.assert_array_equal(host["e_gate"][0], good[..., 0::2])
+    np.testing.assert_array_equal(host["e_up"][0], good[..., 1::2])
+    with pytest.raises(WeightLoadError, match="does not interleave 3 \\+ 3 output columns"):
+        load_host_weights(shapes, GPT_OSS_WEIGHT_RULES, [(key, good[..., :5])], np.float32)
+
+
+def test_sinks_join_the_softmax_denominator():
+    """The reference kernel against the formula: p = exp(s) / (sum(exp(s)) + exp(sink))."""
+    from jax_llm_runtime.pallas_kernels.paged_attention import paged_attention
+
+    rng = np.random.default_rng(0)
+    num_heads, num_kv_heads, head_dim, page_size, kv_len = 4, 2, 8, 4, 7
+    q = rng.standard_normal((1, 1, num_heads, head_dim)).astype(np.float32)
+    k_cache = rng.standard_normal((1, 3, page_size, num_kv_heads, head_dim)).astype(np.float32)
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    k_cache[0, 2] = np.nan  # a page nobody owns
+    sinks = rng.standard_normal(num_heads).astype(np.float32) * 2
+    pages = np.asarray([[1, 0]], np.int32)
+    out = paged_attention(
+        jnp.asarray(q), k_cache, v_cache, jnp.int32(0), np.asarray([[kv_len - 1]], np.int32),
+        pages, np.asarray([kv_len], np.int32), scale=0.5, sinks=jnp.asarray(sinks),
+    )  # fmt: skip
+    k = k_cache[0, pages[0]].reshape(-1, num_kv_heads, head_dim)[:kv_len]
+    v = v_cache[0, pages[0]].reshape(-1, num_kv_heads, head_dim)[:kv_len]
+    for h in range(num_heads):
+        kv = h // (num_heads // num_kv_heads)
+        scores = k[:, kv] @ q[0, 0, h] * 0.5
+        p = np.exp(scores) / (np.exp(scores).sum() + np.exp(sinks[h]))
+        np.testing.assert_allclose(np.asarray(out)[0, 0, h], p @ v[:, kv], atol=1e-5, rtol=0)
+
+
+def test_sinks_run_on_the_reference_only():
+    from jax_llm_runtime.pallas_kernels.paged_attention import attention
+    from jax_llm_runtime.pallas_kernels.paged_attention.ops import (
+        implementation,
+        ragged_implementation,
+    )
+
+    q = jax.ShapeDtypeStruct((1, 1, 4, 8), jnp.float32)
+    cache = jax.ShapeDtypeStruct((1, 3, 4, 2, 8), jnp.float32)
+    for impl in ("auto", "cpu"):
+        assert implementation(impl, q, cache, cache, native_ok=True, sinks=True) == "reference"
+        flat = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)
+        assert ragged_implementation(impl, flat, cache, cache, 2, True, sinks=True) == "reference"
+    zeros = jnp.zeros(cache.shape)
+    with pytest.raises(ValueError, match="native paged-attention kernel does not take attention"):
+        attention(
+            jnp.zeros(q.shape), zeros, zeros, jnp.int32(0), jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 3), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0,
+            sinks=jnp.zeros(4), impl="native",
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpt_oss_over_2_and_4_devices(tmp_path: Path) -> None:
+    """Heads and KV heads split by tensor parallelism (each device its heads' sinks), experts
+    replicated or split by expert parallelism: the greedy tokens never change."""
+    from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import check_split, run_sharded
+
+    config = gpt_oss_config(
+        vocab_size=VOCAB_SIZE,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        num_local_experts=8,
+        bos_token_id=256,
+        eos_token_id=None,
+    )
+    save_gpt_oss(config, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    replicated = run_sharded(tmp_path, "1,2,4")
+    assert replicated["4"]["tokens"] == replicated["1"]["tokens"]
+    split = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
+    check_split(split)
+    for size, result in split.items():
+        assert set(result["expert_bytes"]) == {split["1"]["expert_bytes"][0] // int(size)}
+    assert split["1"]["tokens"] == replicated["1"]["tokens"]
