@@ -222,14 +222,17 @@ def _split_interleaved(
     rule: WeightRule,
     value: np.ndarray | HostPacked,
     host: Mapping[str, np.ndarray],
-) -> list[np.ndarray]:
+) -> list[np.ndarray] | list[HostPacked]:
     n = len(rule.fields)
     sizes = [host[f].shape[-1] for f in rule.fields]
-    if isinstance(value, HostPacked) or len(set(sizes)) != 1 or value.shape[-1] != sum(sizes):
+    shape = value.codes.shape if isinstance(value, HostPacked) else value.shape
+    if len(set(sizes)) != 1 or shape[-1] != sum(sizes):
         raise WeightLoadError(
-            f"checkpoint key {key!r} of shape {tuple(value.shape)} does not interleave "
+            f"checkpoint key {key!r} of shape {tuple(shape)} does not interleave "
             f"{' + '.join(map(str, sizes))} output columns for {', '.join(rule.fields)}"
         )
+    if isinstance(value, HostPacked):  # every array is [..., rows, out]
+        return [value.map(lambda a, i=i: np.ascontiguousarray(a[..., i::n])) for i in range(n)]
     return [value[..., i::n] for i in range(n)]
 
 

@@ -37,7 +37,7 @@ def gpt_oss_config(**fields):
         **TINY,
         "intermediate_size": 32,
         "head_dim": 16,
-        "num_local_experts": 4,
+        "num_local_experts": 8,  # a decode of 3 rows (6 slots) gathers its experts
         "num_experts_per_tok": 2,
         "sliding_window": WINDOW,
         "rope_parameters": YARN,
@@ -190,3 +190,103 @@ def test_gpt_oss_over_2_and_4_devices(tmp_path: Path) -> None:
     for size, result in split.items():
         assert set(result["expert_bytes"]) == {split["1"]["expert_bytes"][0] // int(size)}
     assert split["1"]["tokens"] == replicated["1"]["tokens"]
+
+
+# The OCP Microscaling spec's FP4 E2M1 values, code 0 to 15 (sign bit, then exponent and
+# mantissa), written out independently of the runtime's table.
+E2M1 = np.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float ``[..., out, in]`` matrix as MXFP4 ``blocks`` and ``scales`` (each block of 32
+    scaled so that its largest magnitude lands within the E2M1 range, each value rounded to
+    the nearest code)."""
+    *lead, out, k = w.shape
+    groups = w.reshape(*lead, out, k // 32, 32).astype(np.float32)
+    amax = np.abs(groups).max(axis=-1)
+    exponent = np.clip(np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127, 127).astype(int)
+    scaled = groups / np.ldexp(1.0, exponent)[..., None]
+    codes = np.abs(scaled[..., None] - E2M1).argmin(axis=-1).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    # Contiguous: safetensors' numpy writer stores an array's memory as it lies.
+    scales = (exponent + 127).astype(np.uint8)
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(scales)
+
+
+def dequantize_mxfp4_spec(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The spec's value of every element, ``[..., out, in]`` float32."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    with np.errstate(over="ignore", invalid="ignore"):  # 255 (NaN) and 6 * 2 ** 127 (inf)
+        scale = np.ldexp(np.float32(1), scales.astype(int) - 127)
+        values = E2M1[codes] * np.where(scales == 255, np.float32(np.nan), scale)[..., None]
+    return values.reshape(*scales.shape[:-1], -1).astype(np.float32)
+
+
+def test_mxfp4_dequantizes_bit_exactly():
+    """Every code under every exponent whose products are normal float32 numbers (3..254, and
+    255, NaN), against transformers' own MXFP4 dequantization in float32 and against the
+    spec's table, on the host and the device. (Exponents 0..2 make subnormals, which XLA:CPU
+    flushes to zero.)"""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import dequantize
+    from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host
+    from jax_llm_runtime.pallas_kernels.dequant_matmul.mxfp4 import from_mxfp4
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 252, 2, 16), dtype=np.uint8)  # [experts, out, in/32, 16]
+    scales = np.broadcast_to(np.arange(3, 255, dtype=np.uint8)[None, :, None], (3, 252, 2))
+    scales = rng.permuted(scales, axis=1)
+    scales[0, 0, 0] = 255
+    packed = from_mxfp4(blocks, np.ascontiguousarray(scales))
+    theirs = convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales.copy()), dtype=torch.float32
+    ).numpy()  # [experts, in, out]
+    spec = np.swapaxes(dequantize_mxfp4_spec(blocks, scales), -1, -2)
+    host = dequantize_host(packed)
+    device = np.asarray(dequantize(packed.to_device()))
+    assert np.isnan(host[0, :32, 0]).all() and np.isnan(device[0, :32, 0]).all()
+    theirs[0, :32, 0] = np.nan  # transformers reads 255 as 2 ** 128
+    for ours in (host, device):
+        np.testing.assert_array_equal(ours.view(np.uint32), spec.view(np.uint32))
+        finite = np.isfinite(theirs)
+        np.testing.assert_array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32))
+    assert np.isinf(spec).any() and np.isinf(host[np.isinf(spec)]).all()  # 6 * 2 ** 127
+
+
+def save_mxfp4_gpt_oss(config, folder: Path, seed: int = 0):
+    """A random gpt-oss saved as an MXFP4 checkpoint (experts as ``*_blocks``/``*_scales``);
+    returns the HF float model holding exactly the values the MXFP4 experts stand for."""
+    import json
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = save_gpt_oss(config, folder, seed)
+    tensors = load_file(folder / "model.safetensors")
+    params = dict(hf_model.named_parameters())
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales = quantize_mxfp4(np.swapaxes(tensors.pop(name), -1, -2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        exact = np.swapaxes(dequantize_mxfp4_spec(blocks, scales), -1, -2)
+        with torch.no_grad():
+            params[name].copy_(torch.from_numpy(np.ascontiguousarray(exact)))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config_path = folder / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4"}
+    config_path.write_text(json.dumps(hf_config))
+    return hf_model
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path):
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+
+    hf_model = save_mxfp4_gpt_oss(gpt_oss_config(), tmp_path, seed=2)
+    model = load_ours(tmp_path)
+    layers = model.weights.model(model.config).segments[0].layers
+    for stack in (layers.ffn.e_gate, layers.ffn.e_up, layers.ffn.e_down):
+        value = stack.kernel.get_value()
+        assert isinstance(value, PackedWeight) and value.codebook == "e2m1", type(value)
+    check_model(model, hf_model, seed=2)
