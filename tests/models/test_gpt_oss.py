@@ -165,23 +165,28 @@ def test_sinks_run_on_the_reference_only():
         )  # fmt: skip
 
 
-@pytest.mark.slow
-def test_gpt_oss_over_2_and_4_devices(tmp_path: Path) -> None:
-    """Heads and KV heads split by tensor parallelism (each device its heads' sinks), experts
-    replicated or split by expert parallelism: the greedy tokens never change."""
-    from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
-    from tests.runtime.test_tensor_parallel import check_split, run_sharded
+def sharded_config():
+    """Heads, KV heads and experts that split over 2 and 4 devices."""
+    from tests.models.tiny_tokenizer import VOCAB_SIZE
 
-    config = gpt_oss_config(
+    return gpt_oss_config(
         vocab_size=VOCAB_SIZE,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=8,
-        num_local_experts=8,
         bos_token_id=256,
         eos_token_id=None,
     )
-    save_gpt_oss(config, tmp_path)
+
+
+@pytest.mark.slow
+def test_gpt_oss_over_2_and_4_devices(tmp_path: Path) -> None:
+    """Heads and KV heads split by tensor parallelism (each device its heads' sinks), experts
+    replicated or split by expert parallelism: the greedy tokens never change."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import check_split, run_sharded
+
+    save_gpt_oss(sharded_config(), tmp_path)
     save_byte_tokenizer(tmp_path)
     replicated = run_sharded(tmp_path, "1,2,4")
     assert replicated["4"]["tokens"] == replicated["1"]["tokens"]
@@ -290,3 +295,17 @@ def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path):
         value = stack.kernel.get_value()
         assert isinstance(value, PackedWeight) and value.codebook == "e2m1", type(value)
     check_model(model, hf_model, seed=2)
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_experts_split_over_4_devices(tmp_path: Path) -> None:
+    """MXFP4 expert stacks split by expert parallelism, codes and exponents together."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import check_split, run_sharded
+
+    save_mxfp4_gpt_oss(sharded_config(), tmp_path)
+    save_byte_tokenizer(tmp_path)
+    results = run_sharded(tmp_path, "1,4", {"expert_parallel": True})
+    check_split(results)
+    single = results["1"]["expert_bytes"][0]
+    assert set(results["4"]["expert_bytes"]) == {single // 4}
