@@ -104,6 +104,68 @@ def test_gpt_oss_default_rope_and_limit(tmp_path):
     check_model(model, hf_model, seed=1)
 
 
+def test_released_config_translates():
+    """The released checkpoints' config.json: ``rope_scaling`` (not ``rope_parameters``) with a
+    separate ``rope_theta``, an MXFP4 ``quantization_config``, 24 alternating layers."""
+    from jax_llm_runtime.models.families.gpt_oss import gpt_oss_config_from_hf
+
+    hf = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64,
+        "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 24,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False,
+        },
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "vocab_size": 201088,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }  # fmt: skip
+    cfg = gpt_oss_config_from_hf(hf)
+    rope = cfg.attention.rope
+    assert (rope.rope_type, rope.factor, rope.theta, rope.truncate) == ("yarn", 32, 150000, False)
+    assert rope.original_max_position_embeddings == 4096
+    assert cfg.attention.sliding_window == 128 and cfg.sliding_layers == (True, False) * 12
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.swiglu_clamp) == (32, 4, (1.702, 7.0))
+    assert cfg.segments == ((0, 24, True),)
+
+
+def test_gpt_oss_moe_block_on_both_expert_paths():
+    """The MoE block against transformers' on weights drawn large (so the clamp and the biases
+    bite), through the grouped path (a batch) and the gathered one (single tokens)."""
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from jax_llm_runtime.models.families.gpt_oss import gpt_oss_config_from_hf
+    from jax_llm_runtime.models.layers.moe import moe_mlp
+
+    hf = gpt_oss_config(hidden_size=32, intermediate_size=16, swiglu_limit=0.5)
+    torch.manual_seed(0)
+    block = GptOssMLP(hf).float().eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn_like(param) * 0.2)
+    sd = {k: v.detach().numpy() for k, v in block.state_dict().items()}
+    gate_up, gate_up_b = sd["experts.gate_up_proj"], sd["experts.gate_up_proj_bias"]
+    lw = {
+        "router": sd["router.weight"].T, "router_b": sd["router.bias"],
+        "e_gate": gate_up[..., ::2], "e_up": gate_up[..., 1::2],
+        "e_gate_b": gate_up_b[..., ::2], "e_up_b": gate_up_b[..., 1::2],
+        "e_down": sd["experts.down_proj"], "e_down_b": sd["experts.down_proj_bias"],
+    }  # fmt: skip
+    cfg = gpt_oss_config_from_hf(hf.to_dict()).moe
+    x = np.random.default_rng(1).standard_normal((3, 5, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = block(torch.from_numpy(x))[0].numpy()
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(moe_mlp(cfg, jnp.asarray(x), lw), want, atol=1e-5, rtol=0)
+    for s, t in ((0, 0), (1, 2), (2, 4)):
+        alone = moe_mlp(cfg, jnp.asarray(x[s : s + 1, t : t + 1]), lw)
+        np.testing.assert_allclose(alone[0, 0], want[s, t], atol=1e-5, rtol=0)
+
+
 def test_interleaved_gate_up_that_does_not_split_is_a_clear_error():
     from jax_llm_runtime.models.families.gpt_oss import GPT_OSS_WEIGHT_RULES
     from jax_llm_runtime.models.weights import WeightLoadError, load_host_weights
