@@ -153,20 +153,10 @@ def attention(
         )
     extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
     out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
-        q,
-        k_cache,
-        v_cache,
-        layer,
-        positions,
-        page_indices,
-        kv_lens,
-        scale=scale * k_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scales=k_scales,
-        v_scales=v_scales,
+        q, k_cache, v_cache, layer, positions, page_indices, kv_lens, scale=scale * k_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
         **extra,
-    )
+    )  # fmt: skip
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
 
 

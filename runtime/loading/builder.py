@@ -269,8 +269,9 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
 def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
     """Whether a step mixes decode rows with prefill chunks of several sequences: where the
     ragged attention runs on its native CPU kernel. Elsewhere (a device mesh, accelerators,
-    MLA's absorbed attention, attention sinks) the ragged contract has only its jnp reference, which reads each
-    row's whole page table, so a step is one kind of work and the two kinds alternate."""
+    MLA's absorbed attention, attention sinks) the ragged contract has only its jnp reference,
+    which reads each row's whole page table, so a step is one kind of work and the two kinds
+    alternate."""
     if not model_config.native_kernels or isinstance(model_config.attention, MLAConfig):
         choice = False
     else:
