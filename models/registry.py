@@ -14,6 +14,7 @@ from jax_llm_runtime.models.families import (
     gemma,
     glm4,
     glm4_moe,
+    gpt_oss,
     llama,
     minimax_m2,
     mistral,
@@ -105,6 +106,7 @@ _SPECS = {
             moe_models.qwen3_moe_config_from_hf,
             moe_models.QWEN_MOE_WEIGHT_RULES,
         ),
+        _decoder("GptOssForCausalLM", gpt_oss.gpt_oss_config_from_hf, gpt_oss.GPT_OSS_WEIGHT_RULES),
         _decoder(
             "DeepseekV2ForCausalLM",
             moe_models.deepseek_config_from_hf,

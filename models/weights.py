@@ -33,7 +33,9 @@ class WeightRule:
     With ``per_layer``, the pattern's groups are indices into the field's leading axes in order
     (layer, then e.g. expert). ``transpose`` turns a torch ``[out, in]`` linear weight into our
     ``[in, out]``. A tuple of fields splits a fused checkpoint tensor (``qkv_proj``,
-    ``gate_up_proj``) along its torch output axis into pieces sized by the fields' shapes.
+    ``gate_up_proj``) along its torch output axis into pieces sized by the fields' shapes; with
+    ``interleaved`` the tensor is ``[..., in, out]`` already (biases ``[..., out]``) and its
+    output columns alternate between the fields (gpt-oss's experts: gate, up, gate, up, ...).
     A rule with ``field=None`` marks names that are deliberately ignored (e.g. cached rope tables).
     """
 
@@ -41,6 +43,7 @@ class WeightRule:
     field: str | tuple[str, ...] | None
     transpose: bool = False
     per_layer: bool = False
+    interleaved: bool = False
 
     def match(self, name: str) -> re.Match[str] | None:
         return re.fullmatch(self.pattern, name)
@@ -199,7 +202,9 @@ def _split(
     host: Mapping[str, np.ndarray],
 ) -> list[np.ndarray] | list[HostPacked]:
     """Cut a fused torch ``[out, in]`` tensor (or a packed ``[in, out]`` one) into the fields'
-    output widths."""
+    output widths; an interleaved one into every n-th output column."""
+    if rule.interleaved:
+        return _split_interleaved(key, rule, value, host)
     sizes = [host[f].shape[-1] if rule.transpose else host[f].shape[-2] for f in rule.fields]
     rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
     if rows != sum(sizes):
@@ -210,6 +215,25 @@ def _split(
     if isinstance(value, HostPacked):
         return split_out(value, sizes)
     return np.split(value, np.cumsum(sizes)[:-1], axis=0)
+
+
+def _split_interleaved(
+    key: str,
+    rule: WeightRule,
+    value: np.ndarray | HostPacked,
+    host: Mapping[str, np.ndarray],
+) -> list[np.ndarray] | list[HostPacked]:
+    n = len(rule.fields)
+    sizes = [host[f].shape[-1] for f in rule.fields]
+    shape = value.codes.shape if isinstance(value, HostPacked) else value.shape
+    if len(set(sizes)) != 1 or shape[-1] != sum(sizes):
+        raise WeightLoadError(
+            f"checkpoint key {key!r} of shape {tuple(shape)} does not interleave "
+            f"{' + '.join(map(str, sizes))} output columns for {', '.join(rule.fields)}"
+        )
+    if isinstance(value, HostPacked):  # every array is [..., rows, out]
+        return [value.map(lambda a, i=i: np.ascontiguousarray(a[..., i::n])) for i in range(n)]
+    return [value[..., i::n] for i in range(n)]
 
 
 def _store(key: str, target: np.ndarray, index: tuple[int, ...], value: np.ndarray) -> None:
@@ -235,6 +259,7 @@ def nested_rules(rules: Sequence[WeightRule], prefix: str, ignored: str) -> tupl
             r.field,
             r.transpose,
             r.per_layer,
+            r.interleaved,
         )
         if r.pattern.startswith(r"model\.")
         else r

@@ -167,9 +167,7 @@ def _batches(args: argparse.Namespace) -> list[tuple[str, StepBatch, int, int]]:
     return out
 
 
-def _mixed_batch(
-    decodes: int, prompt: int, context: int, offset: int = 0
-) -> tuple[StepBatch, int]:
+def _mixed_batch(decodes: int, prompt: int, context: int, offset: int = 0) -> tuple[StepBatch, int]:
     """``decodes`` sequences with one token at ``context`` and a ``prompt``-token chunk from
     position ``offset`` (the chunk attends over the ``offset`` positions before it too)."""
     pages = -(-(max(context + 1, offset + prompt)) // PAGE_SIZE)

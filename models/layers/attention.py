@@ -6,7 +6,8 @@ and without it (plain causal attention over the given tokens, for embeddings and
 (Qwen2, Phi-2, StableLM, GLM-4) and ``bo`` when ``o_bias`` (Phi-2); the norms ``q_norm``,
 ``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set (Qwen3,
 Gemma-3, Phi-2, StableLM 2): over each head, or over all heads of q and of k at once with
-``qk_norm_all_heads`` (MiniMax-M2).
+``qk_norm_all_heads`` (MiniMax-M2); ``sinks`` (one logit per query head that joins the softmax
+denominator) when ``sinks`` is set (gpt-oss).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax_llm_runtime.models.layers.params import (
     KV_HEADS,
     NORM,
     Block,
+    declare,
     layer_axes,
 )
 from jax_llm_runtime.models.layers.rotary import RopeConfig, apply_rope
@@ -39,6 +41,7 @@ from jax_llm_runtime.pallas_kernels.paged_attention import (
     ragged_paged_attention,
     write_cache_ragged,
 )
+from jax_llm_runtime.pallas_kernels.paged_attention.reference import softmax_with_sinks
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class AttentionConfig:
     short base there). ``softmax_scale`` overrides head_dim ** -0.5 (Gemma's
     query_pre_attn_scalar). ``position_query_scale`` = (beta, length) multiplies queries by
     1 + beta * log(1 + floor(position / length)) (Mistral 3's long-context temperature).
+    ``sinks``: each query head has a learned logit that joins its softmax denominator and
+    attends to nothing (gpt-oss); only the jnp reference kernels take them.
     """
 
     num_heads: int
@@ -67,6 +72,7 @@ class AttentionConfig:
     local_rope: RopeConfig | None = None
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
+    sinks: bool = False
     # The cache-free path (``causal_self_attention``) rounds K and V to this dtype, as a paged run
     # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
     round_kv_to: str | None = None
@@ -185,6 +191,7 @@ def paged_self_attention(
         sliding_window=layer_window(cfg, meta),
         soft_cap=cfg.soft_cap,
         native=native,
+        sinks=None if layer.sinks is None else layer.sinks.get_value(),
     )
     return output_projection(layer, out), cache
 
@@ -213,6 +220,7 @@ def step_attention(
     soft_cap: float | None = None,
     native: bool = False,
     reference: bool = False,
+    sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Paged attention of a step's query rows, in the layout its shape says (static):
 
@@ -227,7 +235,7 @@ def step_attention(
     k_cache, v_cache, k_scales, v_scales = caches
     kw = dict(
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
-        v_scales=v_scales,
+        v_scales=v_scales, sinks=sinks,
     )  # fmt: skip
     extra = {} if reference else {"native": native}
     if num_seqs == 1 or batch.decode_rows:
@@ -278,7 +286,8 @@ def causal_self_attention(
         mask &= idx[:, None] - idx[None, :] < window
     mask = mask[None] & (idx < lengths[:, None])[:, None, :]  # [num_seqs, q, s]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    sinks = None if layer.sinks is None else layer.sinks.get_value()
+    probs = softmax_with_sinks(scores, sinks)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
     return output_projection(layer, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim))
 
@@ -312,6 +321,8 @@ class Attention(Block):
         self.k_norm = (
             self._qk_norm(lead, cfg.num_kv_heads, KV_HEADS, dtype, "k_norm") if normed else None
         )
+        sink_shape, sink_axes = (*lead, cfg.num_heads), (*layer_axes(lead), HEADS)
+        self.sinks = declare(sink_shape, dtype, sink_axes, "sinks") if cfg.sinks else None
 
     def _qk_norm(
         self, lead: Sequence[int], heads: int, axis: str, dtype: jnp.dtype, field: str

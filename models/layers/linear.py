@@ -138,26 +138,36 @@ def expert_gathered(
     x: jax.Array,  # [num_tokens, in] or [num_tokens, top_k, in]
     weight: jax.Array | PackedWeight,  # [num_experts, in, out]
     experts: jax.Array,  # [num_tokens, top_k] int32
+    bias: jax.Array | None = None,  # [num_experts, out]
 ) -> jax.Array:  # [num_tokens, top_k, out] in x's dtype
-    """Each (token, slot) row times its expert's matrix, gathered per row: a batched mat-vec
-    that reads only the chosen experts (a token's one row serves all its slots). A packed stack
-    gathers the chosen experts' codes and scales, then dequantizes them."""
+    """Each (token, slot) row times its expert's matrix (plus its expert's bias), gathered per
+    row: a batched mat-vec that reads only the chosen experts (a token's one row serves all its
+    slots). A packed stack gathers the chosen experts' codes and scales, then dequantizes
+    them."""
     w = dense(jax.tree_util.tree_map(lambda t: jnp.take(t, experts, axis=0), weight), x.dtype)
     spec = "ti,tkio->tko" if x.ndim == 2 else "tki,tkio->tko"
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + jnp.take(bias, experts, axis=0).astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def expert_grouped(
     rows: jax.Array,  # [num_rows, in], sorted by expert
     weight: jax.Array | PackedWeight,  # [num_experts, in, out]
     group_sizes: jax.Array,  # [num_experts] int32: each expert's count of consecutive rows
+    bias: jax.Array | None = None,  # [num_experts, out]
 ) -> jax.Array:  # [num_rows, out] in rows' dtype
-    """Each row times its expert's matrix as one grouped matmul (``jax.lax.ragged_dot``) over
-    expert-contiguous row blocks. A packed stack is dequantized whole, one layer at a time
-    (inside the layer scan)."""
+    """Each row times its expert's matrix (plus its expert's bias) as one grouped matmul
+    (``jax.lax.ragged_dot``) over expert-contiguous row blocks. A packed stack is dequantized
+    whole, one layer at a time (inside the layer scan)."""
     y = jax.lax.ragged_dot(
         rows, dense(weight, rows.dtype), group_sizes, preferred_element_type=jnp.float32
     )
+    if bias is not None:
+        # Rows past the groups' total belong to no expert: they repeat the last bias, unread.
+        per_row = jnp.repeat(bias, group_sizes, axis=0, total_repeat_length=rows.shape[0])
+        y = y + per_row.astype(jnp.float32)
     return y.astype(rows.dtype)
 
 
@@ -213,8 +223,8 @@ def projection(
 
 class ExpertLinear(Block):
     """A stack of routed experts' projections: kernel ``[*lead, experts, in, out]`` along logical
-    axes ``(layers..., EXPERTS, in_axis, out_axis)``, no bias; each row is multiplied by its own
-    expert's matrix. Declared with ``memory_kind="pinned_host"`` (offloaded experts:
+    axes ``(layers..., EXPERTS, in_axis, out_axis)``, and with ``bias`` a bias
+    ``[*lead, experts, out]`` (gpt-oss); each row is multiplied by its own expert's matrix. Declared with ``memory_kind="pinned_host"`` (offloaded experts:
     ``models.layers.expert_offload``), the kernel lives in host memory and every call copies it
     to device memory first, so a caller that calls it only under a ``lax.cond`` fetches it only
     when that branch runs."""
@@ -228,10 +238,13 @@ class ExpertLinear(Block):
         dtype: jnp.dtype,
         field: str,
         memory_kind: str | None = None,
+        bias: str | None = None,  # the bias's field name; None: no bias
     ) -> None:
         shape, full_axes = (*lead, experts, *features), (*layer_axes(lead), EXPERTS, *axes)
         on_host = {} if memory_kind is None else {"memory_kind": memory_kind}
         self.kernel = declare(shape, dtype, full_axes, field, **on_host)
+        bias_shape, bias_axes = (*lead, experts, features[1]), (*full_axes[:-2], axes[1])
+        self.bias = None if bias is None else declare(bias_shape, dtype, bias_axes, bias)
         self.offloaded = memory_kind is not None
 
     @property
@@ -248,7 +261,7 @@ class ExpertLinear(Block):
         experts: jax.Array,  # [num_tokens, top_k] int32, indices into this stack
     ) -> jax.Array:  # [num_tokens, top_k, out]
         """``expert_gathered`` with this stack (one layer's, inside the layer scan)."""
-        return expert_gathered(x, self._weight(), experts)
+        return expert_gathered(x, self._weight(), experts, self._bias())
 
     def grouped(
         self,
@@ -256,7 +269,10 @@ class ExpertLinear(Block):
         group_sizes: jax.Array,  # [num_experts] int32
     ) -> jax.Array:  # [num_rows, out]
         """``expert_grouped`` with this stack (one layer's, inside the layer scan)."""
-        return expert_grouped(rows, self._weight(), group_sizes)
+        return expert_grouped(rows, self._weight(), group_sizes, self._bias())
+
+    def _bias(self) -> jax.Array | None:  # [num_experts, out]
+        return None if self.bias is None else self.bias.get_value()
 
 
 class QuantizedExpertLinear(ExpertLinear):
@@ -275,9 +291,10 @@ def expert_projection(
     field: str,
     quantized: Collection[str] = (),
     memory_kind: str | None = None,
+    bias: str | None = None,
 ) -> ExpertLinear:
     """A ``QuantizedExpertLinear`` when ``field`` is one of the ``quantized`` fields (an
     offloaded stack, ``e_gate_host``, when its resident field ``e_gate`` is), else an
     ``ExpertLinear``."""
     kind = QuantizedExpertLinear if field.removesuffix(HOST_SUFFIX) in quantized else ExpertLinear
-    return kind(lead, experts, features, axes, dtype, field, memory_kind)
+    return kind(lead, experts, features, axes, dtype, field, memory_kind, bias)

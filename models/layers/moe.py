@@ -10,6 +10,11 @@ One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and 
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
    (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
 
+gpt-oss adds a bias to the router logits (``router_b``: it shifts the choice and the weights),
+biases to every expert projection (``e_gate_b``, ``e_up_b``, ``e_down_b``) and a clamped
+SwiGLU (``swiglu_clamp``); its softmax over the chosen logits is softmax scoring renormalised
+over the chosen experts (``norm_topk_prob``), the same numbers.
+
 ``MoE`` declares a layer's weights and computes the block; ``moe_mlp`` is the same with the
 weights given by field name. Matrices are stored ``[in, out]``:
 ``router`` [hidden, num_experts], ``router_bias`` [num_experts] (with ``has_router_bias``),
@@ -102,6 +107,11 @@ class MoEConfig:
     shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
     activation: str = "silu"
     offload: ExpertOffload | None = None  # experts kept in host memory (a runtime choice)
+    router_logit_bias: bool = False  # ``router_b`` added to the router logits (gpt-oss)
+    expert_bias: bool = False  # a bias on every routed expert projection (gpt-oss)
+    # (alpha, limit): the experts compute (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    # with g = min(gate, limit) instead of act(gate) * up (gpt-oss)
+    swiglu_clamp: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
@@ -127,7 +137,11 @@ class MoEConfig:
         if self.shared_gate and not self.shared_intermediate_size:
             raise ValueError("shared_gate needs a shared expert: set shared_intermediate_size")
         self._check_groups()
+        if self.swiglu_clamp is not None and not all(v > 0 for v in self.swiglu_clamp):
+            raise ValueError(f"swiglu_clamp (alpha, limit) must be > 0, got {self.swiglu_clamp}")
         if self.offload is not None:
+            if self.expert_bias:
+                raise ValueError("expert offloading does not support expert biases (gpt-oss)")
             self.offload.check(self.num_experts)
 
     def _check_groups(self) -> None:
@@ -169,6 +183,7 @@ def route(
     x: jax.Array,  # [num_tokens, hidden]
     router: jax.Array,  # [hidden, num_experts]
     router_bias: jax.Array | None = None,  # [num_experts]; used only to choose experts
+    logit_bias: jax.Array | None = None,  # [num_experts]; added to the logits
 ) -> tuple[jax.Array, jax.Array]:
     """The chosen experts and their weights, both ``[num_tokens, top_k]``.
 
@@ -177,6 +192,8 @@ def route(
     logits = jnp.einsum(
         "th,he->te", x.astype(jnp.float32), router.astype(jnp.float32)
     )  # [num_tokens, num_experts]
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(jnp.float32)
     scores = _SCORINGS[cfg.scoring](logits)
     choice = scores if router_bias is None else scores + router_bias.astype(jnp.float32)
     if cfg.num_groups is not None:
@@ -202,17 +219,38 @@ def _kept_groups(
     return jnp.repeat(kept_mask, cfg.num_experts // cfg.num_groups, axis=-1)
 
 
+Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> the down projection's input
+
+
+def glu(cfg: MoEConfig) -> Glu:
+    """How the experts combine their gate and up projections: ``act(gate) * up``, or gpt-oss's
+    clamped SwiGLU (``MoEConfig.swiglu_clamp``)."""
+    if cfg.swiglu_clamp is None:
+        act = _ACTIVATIONS[cfg.activation]
+        return lambda gate, up: act(gate) * up
+    alpha, limit = cfg.swiglu_clamp
+
+    def clamped(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+    return clamped
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
 def experts_gathered(
     x: jax.Array,  # [num_tokens, hidden]
     experts: jax.Array,  # [num_tokens, top_k] int32, indices into the stacks
     gate: ExpertLinear,  # [num_experts, hidden, expert_inter]
     up: ExpertLinear,  # [num_experts, hidden, expert_inter]
     down: ExpertLinear,  # [num_experts, expert_inter, hidden]
-    activation: str = "silu",
+    combine: Glu = _swiglu,
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Each chosen expert's MLP output per (token, slot), from gathered expert weights."""
-    act = _ACTIVATIONS[activation]
-    h = act(gate.gathered(x, experts)) * up.gathered(x, experts)
+    h = combine(gate.gathered(x, experts), up.gathered(x, experts))
     return down.gathered(h, experts)
 
 
@@ -222,16 +260,15 @@ def experts_grouped(
     gate: ExpertLinear,  # [num_experts, hidden, expert_inter]
     up: ExpertLinear,  # [num_experts, hidden, expert_inter]
     down: ExpertLinear,  # [num_experts, expert_inter, hidden]
-    activation: str = "silu",
+    combine: Glu = _swiglu,
 ) -> jax.Array:  # [num_tokens, top_k, hidden] in x's dtype
     """Same contract as ``experts_gathered``, as a grouped matmul over rows sorted by expert."""
-    act = _ACTIVATIONS[activation]
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # [num_tokens * top_k]
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=gate.num_experts).astype(jnp.int32)
     rows = x[order // top_k]  # [num_tokens * top_k, hidden], expert-contiguous
-    h = act(gate.grouped(rows, group_sizes)) * up.grouped(rows, group_sizes)
+    h = combine(gate.grouped(rows, group_sizes), up.grouped(rows, group_sizes))
     out = down.grouped(h, group_sizes)
     # Undo the sort with a gather rather than a scatter: deterministic on every backend.
     unsorted = out[jnp.argsort(order)]
@@ -306,14 +343,20 @@ class MoE(Block):
             if cfg.has_router_bias
             else None
         )
+        self.router_b = (
+            declare((*lead, e), dtype, (*stack, ROUTER), "router_b")
+            if cfg.router_logit_bias
+            else None
+        )
         resident, offloaded = (e, 0) if cfg.offload is None else cfg.offload.stack_sizes(e)
 
         def experts(
             field: str, features: tuple[int, int], axes: tuple[str, str]
         ) -> tuple[ExpertLinear, ExpertLinear | None]:
             def stack_of(size: int, name: str, memory_kind: str | None) -> ExpertLinear:
+                bias = field + "_b" if cfg.expert_bias else None  # never offloaded (MoEConfig)
                 return expert_projection(
-                    lead, size, features, axes, dtype, name, quantized, memory_kind
+                    lead, size, features, axes, dtype, name, quantized, memory_kind, bias
                 )
 
             host = stack_of(offloaded, field + HOST_SUFFIX, "pinned_host") if offloaded else None
@@ -353,7 +396,8 @@ class MoE(Block):
         _check_shapes(cfg, hidden, shapes(self))
         tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
         bias = None if self.router_bias is None else self.router_bias.get_value()
-        experts, weights = route(cfg, tokens, self.router.get_value(), bias)
+        logit_bias = None if self.router_b is None else self.router_b.get_value()
+        experts, weights = route(cfg, tokens, self.router.get_value(), bias, logit_bias)
         valid_tokens = None if valid is None else valid.reshape(-1)
         per_slot = self._routed_experts(tokens, experts, valid_tokens)
         out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
@@ -377,7 +421,7 @@ class MoE(Block):
         changes where weights live, not the arithmetic."""
         cfg = self.cfg
         grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
-        run = partial(experts_grouped if grouped else experts_gathered, activation=cfg.activation)
+        run = partial(experts_grouped if grouped else experts_gathered, combine=glu(cfg))
         resident = (self.e_gate, self.e_up, self.e_down)
         if cfg.offload is None:
             return run(tokens, experts, *resident)

@@ -25,6 +25,17 @@ rounds where the GGUF code does not). The table of how each GGUF type maps onto 
 | Q6_K | 6 | 256 | int8 per 16 | 32 | - |
 | GPTQ / AWQ 4-bit | 4 | group | - | uint4 per group | - |
 
+One format is not affine: MXFP4 (OCP Microscaling, gpt-oss's experts) has ``codebook``
+"e2m1", whose 4-bit codes index the FP4 E2M1 values (``CODEBOOKS``: sign, two exponent bits, one
+mantissa bit), and its ``d`` is one uint8 E8M0 exponent per 32 codes, the scale ``2 ** (d - 127)``
+(255 is NaN)::
+
+    w[k, n] = 2 ** (d[k // 32, n] - 127) * E2M1[q[k, n]]
+
+Both factors are powers of two times a value of two significant bits, so the float32 product is
+exact wherever it is a normal float32, as in the format's own dequantizer (exponent 0, a
+subnormal 2 ** -127, is zero where the backend flushes subnormals, as XLA:CPU does).
+
 Bit planes: codes of 8, 6, 5, 4, 3 and 2 bits are split into planes of (8), (4, 2), (4, 1), (4),
 (2, 1) and (2) bits. A plane of ``b`` bits packs each run of 32 codes along ``in`` into ``4 * b``
 bytes; byte ``j`` of a run holds codes ``j + s * 4 * b`` at bit ``s * b``. Unpacking is shifts and
@@ -37,6 +48,7 @@ unpick them), Q6_K 6.5625.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +59,28 @@ from flax import struct
 
 RUN = 32  # codes per packed run along ``in``
 PLANES = {8: (8,), 6: (4, 2), 5: (4, 1), 4: (4,), 3: (2, 1), 2: (2,)}
+# Code -> value tables of the non-affine formats (see the module docstring).
+CODEBOOKS = {
+    "e2m1": (
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        4.0,
+        6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ),
+}
+E8M0_BIAS, E8M0_NAN = 127, 255
 
 
 @struct.dataclass
@@ -68,6 +102,9 @@ class PackedWeight:
     # The dtype callers round activations to before ``dequant_matmul`` (which rounds the weight
     # to the activations' dtype); None keeps the activations' own dtype.
     operand_dtype: str | None = struct.field(pytree_node=False, default=None)
+    # A key of ``CODEBOOKS``: codes index its values and ``d`` is uint8 E8M0 (MXFP4); None: the
+    # affine formula.
+    codebook: str | None = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -123,14 +160,16 @@ class HostPacked:
     z: np.ndarray | int = 0  # uint8 group array, or the format's constant
     mn: np.ndarray | None = None  # float16
     m: np.ndarray | None = None  # uint8
+    codebook: str | None = None  # see ``PackedWeight.codebook`` (``d`` is then uint8 E8M0)
 
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> HostPacked:
         """``fn`` applied to every array (a constant ``z`` stays as it is)."""
         get = lambda a: None if a is None else fn(a)  # noqa: E731
         z = self.z if isinstance(self.z, int) else fn(self.z)
         return HostPacked(
-            fn(self.codes), self.bits, fn(self.d), get(self.sc), z, get(self.mn), get(self.m)
-        )
+            fn(self.codes), self.bits, fn(self.d), get(self.sc), z, get(self.mn), get(self.m),
+            self.codebook,
+        )  # fmt: skip
 
     def __getitem__(self, index) -> HostPacked:
         """Indexed on the leading (layer, expert) axes, like the float array it stands for."""
@@ -154,6 +193,7 @@ class HostPacked:
             bits=self.bits,
             zero=self.z if constant else 0,
             operand_dtype=operand_dtype,
+            codebook=self.codebook,
         )
 
 
@@ -208,9 +248,12 @@ def evaluate(
     zero: int = 0,  # the zero code when ``z`` is None
     mn=None,  # float16 [..., in // gm, out]
     m=None,  # int [..., in // gm', out]
+    codebook: str | None = None,  # a key of CODEBOOKS: ``d`` is uint8 E8M0, the rest unused
 ):  # float32 [..., in, out]
     """The module docstring's formula in float32, with ``xp`` arrays: the one definition that
     the device reference, the kernel's tiles and the host loader all evaluate."""
+    if codebook is not None:
+        return _evaluate_codebook(xp, q, d, codebook)
     *lead, k, n = q.shape
     groups = max(a.shape[-2] for a in (d, sc, z, mn, m) if a is not None)
 
@@ -234,3 +277,26 @@ def evaluate(
             low = low * per_group(m).astype(xp.float32)
         out = out - low
     return out.reshape(*lead, k, n)
+
+
+def _evaluate_codebook(
+    xp,  # numpy or jax.numpy
+    q,  # int32 [..., in, out] codes
+    d,  # uint8 [..., in // group, out] E8M0 exponents
+    codebook: str,
+):  # float32 [..., in, out]
+    """``2 ** (d - 127) * CODEBOOKS[codebook][q]`` (the module docstring's MXFP4)."""
+    *lead, k, n = q.shape
+    groups = d.shape[-2]
+    values = xp.asarray(CODEBOOKS[codebook], dtype=xp.float32)[q]
+    # 255 (NaN) is replaced below; the minimum only keeps it out of ldexp.
+    exponent = xp.minimum(d.astype(xp.int32), E8M0_NAN - 1) - E8M0_BIAS
+    scale = xp.where(d == E8M0_NAN, xp.nan, xp.ldexp(xp.ones_like(exponent, xp.float32), exponent))
+    scale = scale.astype(xp.float32)[..., :, None, :]  # [..., groups, 1, out]
+    with _overflow_ok(xp):  # 6 * 2 ** 127 is inf, as in the format's own dequantizer
+        out = scale * values.reshape(*lead, groups, k // groups, n)
+    return out.reshape(*lead, k, n)
+
+
+def _overflow_ok(xp):
+    return np.errstate(over="ignore") if xp is np else contextlib.nullcontext()

@@ -24,7 +24,7 @@ def dequantize_host(hp: HostPacked) -> np.ndarray:  # float32 [..., in, out]
     """The same float32 arithmetic as ``reference.dequantize``, in numpy."""
     constant = isinstance(hp.z, int)
     z, zero = (None, hp.z) if constant else (hp.z, 0)
-    return evaluate(np, hp.codes.astype(np.int32), hp.d, hp.sc, z, zero, hp.mn, hp.m)
+    return evaluate(np, hp.codes.astype(np.int32), hp.d, hp.sc, z, zero, hp.mn, hp.m, hp.codebook)
 
 
 def split_out(hp: HostPacked, sizes: Sequence[int]) -> list[HostPacked]:
@@ -86,6 +86,14 @@ def stack(items: Sequence[HostPacked]) -> HostPacked:
     shapes = {hp.codes.shape for hp in items}
     if len(shapes) != 1:
         raise ValueError(f"cannot stack packed weights of shapes {sorted(shapes)}")
+    codebooks = {hp.codebook for hp in items}
+    if len(codebooks) != 1:
+        raise ValueError(f"cannot stack packed weights of different codebooks {codebooks}")
+    if None not in codebooks:  # one format throughout: nothing to reconcile
+        return HostPacked(
+            codes=np.stack([hp.codes for hp in items]), bits=items[0].bits,
+            d=np.stack([hp.d for hp in items]), codebook=items[0].codebook,
+        )  # fmt: skip
     # Where another item has a sub-block minimum, an item whose minimum is the block value alone
     # (Q4_1) multiplies it by m = 1; an item with no minimum at all gets mn = 0 and m = 0.
     if any(hp.m is not None for hp in items):

@@ -67,6 +67,8 @@ def _is_whole(name: str, a: jax.Array) -> bool:
 
 
 def _validate(x: jax.Array, w: PackedWeight) -> None:
+    if w.codebook is not None:
+        raise ValueError(f"the Pallas kernel does not read {w.codebook} codes; use the reference")
     if w.bits not in PLANES:
         raise ValueError(f"bits must be one of {sorted(PLANES)}, got {w.bits}")
     if len(w.planes) != len(PLANES[w.bits]):

@@ -92,6 +92,8 @@ def supports(x: jax.Array, w: PackedWeight) -> bool:
     or multiples of 32."""
     if jnp.dtype(x.dtype) not in _X_DTYPES or w.planes[0].ndim not in (2, 3):
         return False
+    if w.codebook is not None:  # MXFP4: the reference only
+        return False
     if w.bits not in PLANES or len(w.planes) != len(PLANES[w.bits]):
         return False
     for name in _GROUP_FIELDS:

@@ -28,7 +28,7 @@ def _validate(x: jax.Array, w: PackedWeight) -> None:
 def dequantize(w: PackedWeight) -> jax.Array:  # float32 [..., in, out]
     """Every element as float32, bit-exact with the format's own dequantizer."""
     q = unpack_planes(w.planes, w.bits)  # int32 [..., in, out]
-    return evaluate(jnp, q, w.d, w.sc, w.z, w.zero, w.mn, w.m)
+    return evaluate(jnp, q, w.d, w.sc, w.z, w.zero, w.mn, w.m, w.codebook)
 
 
 def dequant_matmul(

@@ -20,6 +20,10 @@ measured rule of ``native``).
 flat run of query rows mixing sequences, ``q_starts``), with two differences: no Pallas kernel
 takes that layout yet, so ``impl="pallas"`` raises and a kernel backend runs the reference; and
 the measured class is "decode" when the call has at most one row per sequence, else "prefill".
+
+Attention sinks (``sinks``, gpt-oss) run on the reference only: neither the Pallas nor the native
+kernel takes them, so ``impl="pallas"`` or ``"native"`` with sinks raises, and the automatic and
+measured choices pick the reference.
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a device run of the kern
 
 
 def implementation(
-    impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, native_ok: bool = False
+    impl: str,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    native_ok: bool = False,
+    sinks: bool = False,
 ) -> str:
     """Which implementation runs this call on this backend: "pallas", "native" or "reference"
-    (see the module docstring for the rules)."""
+    (see the module docstring for the rules); ``sinks``: the call has attention sinks."""
     call_class = cpu_choice.attention_class(q.shape[1])
-    return _choose(impl, call_class, q, k_cache, v_cache, native_ok)
+    return _choose(impl, call_class, q, k_cache, v_cache, native_ok, sinks)
 
 
 def ragged_implementation(
@@ -50,6 +59,7 @@ def ragged_implementation(
     v_cache: jax.Array,
     num_seqs: int,
     native_ok: bool = False,
+    sinks: bool = False,
 ) -> str:
     """Which implementation runs a ragged call on this backend: "native" or "reference" (see the
     module docstring); ``impl="pallas"`` raises ``ValueError``."""
@@ -59,7 +69,8 @@ def ragged_implementation(
             "'reference' for ragged_attention, or the padded attention for the Pallas kernel"
         )
     rows_per_seq = -(-q.shape[0] // max(num_seqs, 1))
-    chosen = _choose(impl, cpu_choice.attention_class(rows_per_seq), q, k_cache, v_cache, native_ok)
+    call_class = cpu_choice.attention_class(rows_per_seq)
+    chosen = _choose(impl, call_class, q, k_cache, v_cache, native_ok, sinks)
     return "reference" if chosen == "pallas" else chosen
 
 
@@ -70,10 +81,15 @@ def _choose(
     k_cache: jax.Array,
     v_cache: jax.Array,
     native_ok: bool,
+    sinks: bool = False,
 ) -> str:
     """The rules of the module docstring for a call of ``call_class`` ("decode", "prefill")."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if sinks:
+        if impl in ("pallas", "native"):
+            raise ValueError(f"the {impl} paged-attention kernel does not take attention sinks")
+        return "reference"
     backend = jax.default_backend()
     if impl == "auto" and native_ok:
         impl = "cpu"
@@ -105,6 +121,7 @@ def attention(
     v_scale: float | jax.Array = 1.0,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
@@ -115,7 +132,7 @@ def attention(
     ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8. ``native``:
     native CPU kernels may run where this step runs (see the module docstring).
     """
-    chosen = implementation(impl, q, k_cache, v_cache, native)
+    chosen = implementation(impl, q, k_cache, v_cache, native, sinks is not None)
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -134,20 +151,12 @@ def attention(
             v_scales=v_scales,
             interpret=jax.default_backend() == "cpu",
         )
+    extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
     out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
-        q,
-        k_cache,
-        v_cache,
-        layer,
-        positions,
-        page_indices,
-        kv_lens,
-        scale=scale * k_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scales=k_scales,
-        v_scales=v_scales,
-    )
+        q, k_cache, v_cache, layer, positions, page_indices, kv_lens, scale=scale * k_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
+        **extra,
+    )  # fmt: skip
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
 
 
@@ -168,12 +177,14 @@ def ragged_attention(
     v_scale: float | jax.Array = 1.0,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Paged attention with ``reference.ragged_paged_attention``'s contract, on the native
     kernel or the reference (``ragged_implementation``); the arguments are ``attention``'s."""
-    chosen = ragged_implementation(impl, q, k_cache, v_cache, page_indices.shape[0], native)
+    num_seqs, has_sinks = page_indices.shape[0], sinks is not None
+    chosen = ragged_implementation(impl, q, k_cache, v_cache, num_seqs, native, has_sinks)
     run = (
         native_kernel.ragged_paged_attention
         if chosen == "native"
@@ -193,5 +204,6 @@ def ragged_attention(
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
+        **({} if sinks is None else {"sinks": sinks}),  # only the reference takes sinks
     )
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)

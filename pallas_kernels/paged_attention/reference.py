@@ -10,6 +10,9 @@ Two layouts of a step's queries: ``paged_attention`` takes them padded, ``[num_s
 rows (one prefill chunk, or one decode token per sequence); ``ragged_paged_attention`` takes a
 flat run of ``num_tokens`` rows in which sequence ``s`` owns rows ``q_starts[s]:q_starts[s+1]``,
 so decode tokens and prefill chunks of several sequences share one call.
+
+``sinks`` (gpt-oss) are one learned logit per query head that joins each row's softmax
+denominator and attends to nothing: a row's probabilities then sum to less than one.
 """
 
 from __future__ import annotations
@@ -122,13 +125,15 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Causal attention of each query token over its own sequence's paged K/V.
 
     Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p`` and,
     with a sliding window ``w``, ``t > p - w``. Computation is in float32. With ``k_scales`` and
     ``v_scales`` (a float8 cache, see ``KVCache``) row ``r`` of K is ``k_cache[r] * k_scales[r]``,
-    and likewise for V; scales of masked rows are never used, so they may be NaN.
+    and likewise for V; scales of masked rows are never used, so they may be NaN. With ``sinks``
+    each head's softmax denominator also counts ``exp(sinks[h])`` (see the module docstring).
     """
     _validate(q, k_cache, page_indices, kv_lens)
     _validate_scales(k_cache, v_cache, k_scales, v_scales)
@@ -154,9 +159,23 @@ def paged_attention(
     if sliding_window is not None:
         visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax_with_sinks(scores, sinks)
     out = jnp.einsum("skgqt,stkd->sqkgd", probs, v)
     return out.reshape(num_seqs, q_len, num_heads, head_dim).astype(q.dtype)
+
+
+def softmax_with_sinks(
+    scores: jax.Array,  # [..., num_kv_heads, group, q_len, kv_len] float32
+    sinks: jax.Array | None,  # [num_kv_heads * group] float
+) -> jax.Array:  # scores' shape: softmax over the last axis, whose denominator counts the sink
+    """The softmax of attention scores over keys; a head's sink logit joins the denominator."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    num_kv_heads, group = scores.shape[-4], scores.shape[-3]
+    sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1, 1)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    weights = jnp.exp(scores - top)
+    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 ROW_BLOCK = 8  # query rows of a ragged call whose sequences' pages are gathered at once
@@ -209,6 +228,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """``paged_attention`` over a flat run of query rows mixing several sequences.
 
@@ -239,7 +259,7 @@ def ragged_paged_attention(
         out = paged_attention(
             q_b[:, None], k_cache, v_cache, layer, pos_b[:, None], pages_b, lens_b,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, sinks=sinks,
         )  # fmt: skip
         return out[:, 0]
 

@@ -300,13 +300,16 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
 def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
     """Whether a step mixes decode rows with prefill chunks of several sequences: where the
     ragged attention runs on its native CPU kernel. Elsewhere (a device mesh, accelerators,
-    MLA's absorbed attention) the ragged contract has only its jnp reference, which reads each
-    row's whole page table, so a step is one kind of work and the two kinds alternate."""
+    MLA's absorbed attention, attention sinks) the ragged contract has only its jnp reference,
+    which reads each row's whole page table, so a step is one kind of work and the two kinds
+    alternate."""
     if not model_config.native_kernels or isinstance(model_config.attention, MLAConfig):
         choice = False
     else:
         q = jax.ShapeDtypeStruct((2, 1, model_config.head_dim), dtype)
-        choice = ragged_implementation("auto", q, cache.k, cache.v, 2, native_ok=True) == "native"
+        sinks = model_config.attention.sinks
+        chosen = ragged_implementation("auto", q, cache.k, cache.v, 2, native_ok=True, sinks=sinks)
+        choice = chosen == "native"
     logger.info(
         "steps: %s",
         "mixed (decode rows and prefill chunks together)"

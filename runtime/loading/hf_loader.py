@@ -1,9 +1,10 @@
 """HF-layout folders: ``config.json`` plus one or many ``*.safetensors`` files.
 
-GPTQ and AWQ checkpoints, Marlin-layout ones included (``quantization_config`` in ``config.json``,
-see ``runtime.loading.hf_quant``), load as they are: each quantized linear's tensors, wherever its shards put them, come out as one
-``(<prefix>.weight, HostPacked)`` item in the ``[in, out]`` orientation; every other tensor
-streams as a numpy array.
+GPTQ and AWQ checkpoints, Marlin-layout ones included, and MXFP4 ones (``quantization_config`` in
+``config.json``, see ``runtime.loading.hf_quant``), load as they are: each quantized linear's
+tensors, wherever its shards put them, come out as one ``(<prefix>.weight, HostPacked)`` item
+(MXFP4: ``(<prefix>, HostPacked)``) in the ``[in, out]`` orientation; every other tensor streams
+as a numpy array.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def load_hf_checkpoint(folder: Path) -> Checkpoint:
         raise HFCheckpointError(f"{folder}: {e}") from None
     if quant is not None and quant.method == "gptq":
         _check_g_idx(linears, where, quant)
-    parts = {f"{prefix}.{part}" for prefix, names in linears.items() for part in names}
+    sep = "." if quant is None else quant.separator
+    parts = {f"{prefix}{sep}{part}" for prefix, names in linears.items() for part in names}
 
     def tensors(packed: bool = False) -> Iterator[tuple[str, np.ndarray | HostPacked]]:
         """With ``packed``, each quantized linear is one ``HostPacked`` ``[in, out]``; without,
@@ -69,12 +71,10 @@ def load_hf_checkpoint(folder: Path) -> Checkpoint:
                 for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     if key not in parts:
                         yield key, np.asarray(f.get_tensor(key))
-                    elif key.endswith(f".{quant.required[0]}"):
-                        prefix = key.removesuffix(f".{quant.required[0]}")
+                    elif key.endswith(f"{sep}{quant.required[0]}"):
+                        prefix = key.removesuffix(f"{sep}{quant.required[0]}")
                         value = _packed(prefix, linears[prefix], where, quant)
-                        if not packed:
-                            value = np.swapaxes(dequantize_host(value), -1, -2)
-                        yield f"{prefix}.weight", value
+                        yield quant.item_name(prefix), value if packed else _float(value, quant)
 
     num_tensors = len(located) - len(parts) + len(linears)
     return Checkpoint(config=config, tensors=tensors, num_tensors=num_tensors)
@@ -103,11 +103,18 @@ def _read(where: dict[str, Path], keys: list[str]) -> dict[str, np.ndarray]:
 def _packed(
     prefix: str, parts: tuple[str, ...], where: dict[str, Path], quant: QuantConfig
 ) -> HostPacked:
-    tensors = _read(where, [f"{prefix}.{p}" for p in parts])
+    sep = quant.separator
+    tensors = _read(where, [f"{prefix}{sep}{p}" for p in parts])
     try:
-        return quant.host_packed({p: tensors[f"{prefix}.{p}"] for p in parts})
+        return quant.host_packed({p: tensors[f"{prefix}{sep}{p}"] for p in parts})
     except ValueError as e:
         raise HFCheckpointError(f"{quant.method} linear {prefix}: {e}") from None
+
+
+def _float(value: HostPacked, quant: QuantConfig) -> np.ndarray:
+    """A quantized linear's float32 values, laid out as its float tensor would be."""
+    values = dequantize_host(value)  # [..., in, out]
+    return np.swapaxes(values, -1, -2) if quant.float_transposed else values
 
 
 def _check_g_idx(

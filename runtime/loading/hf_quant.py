@@ -15,6 +15,10 @@ older ``is_marlin_format``), as candle-vllm, AutoGPTQ and the hub's ``*-GPTQ-Mar
 write it, or vLLM's ``quant_method`` "marlin"; each linear stores ``B`` and ``s`` (and sometimes a
 ``workspace``, which is scratch memory and ignored). Marlin holds symmetric 4-bit weights only.
 
+MXFP4 folders (``quant_method`` "mxfp4", gpt-oss) store each quantized expert stack ``<prefix>`` as
+``<prefix>_blocks`` and ``<prefix>_scales`` (``pallas_kernels.dequant_matmul.mxfp4``); it comes out
+as ``(<prefix>, HostPacked)``, under the name its float tensor has.
+
 candle-vllm's ``convert_awq_marlin.py`` keeps an AWQ folder's config and rewrites only its
 ``qzeros``, in Marlin's column order, so nothing but the zero points tells the two apart: an AWQ
 linear whose zeros differ between the two readings takes the one under which the groups' zeros
@@ -39,15 +43,18 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.gptq import (
     from_gptq,
 )
 from jax_llm_runtime.pallas_kernels.dequant_matmul.marlin import awq_zeros_from_marlin, from_marlin
+from jax_llm_runtime.pallas_kernels.dequant_matmul.mxfp4 import from_mxfp4
 
-METHODS = ("gptq", "awq", "marlin")
+METHODS = ("gptq", "awq", "marlin", "mxfp4")
 PARTS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "marlin": ("B", "s", "workspace"),
+    "mxfp4": ("blocks", "scales"),
 }
 REQUIRED = {"gptq": ("qweight", "qzeros", "scales"), "marlin": ("B", "s")}
 REQUIRED["awq"] = REQUIRED["gptq"]
+REQUIRED["mxfp4"] = PARTS["mxfp4"]
 # How clearly one reading of an AWQ linear's zeros must win (standard deviations of a sign test;
 # a real layer scores in the tens or hundreds, a tiny test layer about 5).
 MARLIN_ZEROS_SCORE = 4.0
@@ -68,7 +75,7 @@ class QuantConfig:
             raise ValueError(
                 f"quant_method {self.method!r} is not supported ({', '.join(METHODS)} are)"
             )
-        widths = GPTQ_BITS if self.method == "gptq" else (BITS,)
+        widths = GPTQ_BITS if self.method == "gptq" else (BITS,)  # MXFP4: 4 too
         if self.method == "marlin" and not self.sym:
             raise ValueError("Marlin with sym=False is not supported (Marlin is symmetric)")
         if self.bits not in widths:
@@ -94,8 +101,25 @@ class QuantConfig:
         """The parts every quantized linear has; the first names the linear."""
         return REQUIRED[self.method]
 
+    @property
+    def separator(self) -> str:
+        """What joins a linear's prefix and its parts' names (``<prefix>_blocks`` in MXFP4)."""
+        return "_" if self.method == "mxfp4" else "."
+
+    def item_name(self, prefix: str) -> str:
+        """The name a quantized linear is loaded under: its float tensor's name."""
+        return prefix if self.method == "mxfp4" else f"{prefix}.weight"
+
+    @property
+    def float_transposed(self) -> bool:
+        """Whether the float tensor a linear stands for is ``[..., out, in]`` (a torch linear's
+        weight) rather than ``[..., in, out]`` (gpt-oss's expert stacks)."""
+        return self.method != "mxfp4"
+
     def host_packed(self, tensors: Mapping[str, np.ndarray]) -> HostPacked:
         """One linear's tensors (keyed by part) as ``HostPacked`` ``[in, out]``."""
+        if self.method == "mxfp4":
+            return from_mxfp4(tensors["blocks"], tensors["scales"])
         if self.method == "marlin":
             return from_marlin(tensors["B"], tensors["s"], group_size=self.group_size)
         if self.method == "awq":
@@ -154,6 +178,8 @@ def quant_config_from_hf(config: Mapping[str, Any]) -> QuantConfig | None:
         )
     if method == "marlin":
         return _marlin_config(qc)
+    if method == "mxfp4":
+        return QuantConfig(method="mxfp4", bits=BITS, group_size=32)
     raise ValueError(f"quant_method {method!r} is not supported ({', '.join(METHODS)} are)")
 
 
@@ -229,15 +255,16 @@ def quantized_linears(keys: Iterable[str], quant: QuantConfig | None) -> dict[st
                 f"{quant.method} without checkpoint_format 'marlin'"
             )
     linears: dict[str, tuple[str, ...]] = {}
+    sep = quant.separator
     for key in sorted(keys):
-        prefix, _, part = key.rpartition(".")
+        prefix, _, part = key.rpartition(sep)
         if part not in quant.parts:
             continue
-        if f"{prefix}.{head}" not in keys:
-            raise ValueError(f"checkpoint has {key} but no {prefix}.{head}")
+        if f"{prefix}{sep}{head}" not in keys:
+            raise ValueError(f"checkpoint has {key} but no {prefix}{sep}{head}")
         linears[prefix] = (*linears.get(prefix, ()), part)
     for prefix, parts in linears.items():
         missing = [p for p in quant.required if p not in parts]
         if missing:
-            raise ValueError(f"checkpoint has {prefix}.{head} but no {prefix}.{missing[0]}")
+            raise ValueError(f"checkpoint has {prefix}{sep}{head} but no {prefix}{sep}{missing[0]}")
     return linears
