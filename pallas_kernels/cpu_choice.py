@@ -12,6 +12,9 @@ kernel that wins on AVX-512 lost 3.6x on an AVX2-only machine). The call classes
   slower still);
 - paged attention: ``decode`` (one query token per sequence) and ``prefill`` (a chunk of them).
 
+``("dequant_matmul", "int8")`` is not measured (int8 activations have no faster XLA path); it is
+False only where ``--matmul-backend reference`` turns the kernel off.
+
 ``native_wins(kernel, call_class)`` is what the ops ask. Until verdicts are set (a library user
 who calls the ops without building an engine) it answers True, and the ops' static rules apply
 alone.

@@ -26,6 +26,8 @@ CPU_BATCHED_TOKENS = 64
 # The KV cache on CPU when --kvcache-mem is not given: host memory is shared with everything
 # else, so it is a fixed size rather than a share of what is free.
 CPU_KVCACHE_MB = 1024
+# --attention-backend and --matmul-backend (pallas_kernels.selection.BACKENDS).
+KERNEL_BACKENDS = ("auto", "pallas", "reference")
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -64,6 +66,10 @@ class EngineConfig:
     the model dtype; "auto" is int8 where the native CPU kernels run with integer dot products
     (AVX-512 VNNI, AVX-VNNI, Arm dotprod) and the model dtype elsewhere
     (``runtime.loading.builder.operand_dtype``).
+    attention_backend and matmul_backend choose the paged-attention and dequant-matmul
+    implementations: "auto" (on GPU and TPU the Pallas kernel where a startup check on the device
+    matches the reference, on CPU native kernels where measured faster), "pallas" or
+    "reference" (``pallas_kernels.selection``).
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
@@ -86,6 +92,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kvcache_mem_mb: int = 0
     gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    matmul_backend: str = "auto"
     page_size: int = 16
     prefill_chunk_size: int = 8192
     max_num_batched_tokens: int = 0
@@ -115,11 +123,7 @@ class EngineConfig:
         _check_at_least("max_waiting (0: no bound)", self.max_waiting, 0)
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
-        _check_at_least("kvcache_mem_mb (0: auto)", self.kvcache_mem_mb, 0)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        self._check_device_settings()
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.isq is not None and self.isq not in ISQ_CHOICES:
@@ -137,6 +141,19 @@ class EngineConfig:
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         self._check_prefill_chunk_size()
+
+    def _check_device_settings(self) -> None:
+        _check_at_least("kvcache_mem_mb (0: auto)", self.kvcache_mem_mb, 0)
+        for name in ("attention_backend", "matmul_backend"):
+            value = getattr(self, name)
+            if value not in KERNEL_BACKENDS:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(KERNEL_BACKENDS)}, got {value!r}"
+                )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
     def batched_tokens(self, backend: str, max_model_len: int) -> int:
         """The step's token budget on ``backend`` for a context of ``max_model_len`` (see the

@@ -51,6 +51,7 @@ from jax_llm_runtime.runtime.config import (
     DEFAULT_MODEL_ID,
     DTYPES,
     ISQ_CHOICES,
+    KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
     MATMUL_DTYPES,
     EngineConfig,
@@ -299,6 +300,18 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         help=f"memory for the paged KV cache, all layers, in MB; default: {CPU_KVCACHE_MB} on "
         "CPU, on accelerators what --gpu-memory-utilization leaves after the weights",
     )
+    for flag, what in (
+        ("--attention-backend", "paged attention"),
+        ("--matmul-backend", "the quantized projections' dequant-matmul"),
+    ):
+        add(
+            flag,
+            choices=KERNEL_BACKENDS,
+            default="auto",
+            help=f"what runs {what}: auto = on GPU and TPU the Pallas kernel where a startup "
+            "check on the device matches the reference, on CPU the native kernel where measured "
+            "faster; pallas or reference force one (default: %(default)s)",
+        )
     add(
         "--gpu-memory-utilization",
         type=_fraction,
@@ -682,6 +695,8 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         kvcache_mem_mb=args.kvcache_mem_mb,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+        matmul_backend=args.matmul_backend,
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
         max_num_batched_tokens=args.max_num_batched_tokens,

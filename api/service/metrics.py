@@ -61,6 +61,15 @@ class _EngineCollector(Collector):
                 "num_prefix_cache_hits",
             ),
         }
+        kernels = GaugeMetricFamily(
+            f"{PREFIX}_kernel",
+            "1 for the implementation each kernel runs (pallas, reference, native or XLA).",
+            labels=[MODEL_LABEL, "kernel", "implementation"],
+        )
+        for engine in self._engines:
+            for kernel, implementation in getattr(engine, "kernel_choices", {}).items():
+                kernels.add_metric([engine.model_name, kernel, implementation], 1)
+        yield kernels
         for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, field) in table.items():
                 family = kind(f"{PREFIX}_{name}", doc, labels=[MODEL_LABEL])

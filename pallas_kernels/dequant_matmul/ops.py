@@ -122,7 +122,7 @@ def _native_runs(
     return (
         backend == "cpu"
         and (
-            int8_activations
+            (int8_activations and cpu_choice.native_wins("dequant_matmul", "int8"))
             or (
                 rows <= (NATIVE_MAX_TOKENS_LARGE if large else NATIVE_MAX_TOKENS)
                 and cpu_choice.native_wins("dequant_matmul", cpu_choice.dequant_class(rows, large))

@@ -72,6 +72,9 @@ class Engine:
         max_waiting: int = 0,
     ) -> None:
         self.runner = runner
+        # Each kernel's implementation, {kernel: implementation}, set by the builder
+        # (pallas_kernels.selection); /metrics reports it.
+        self.kernel_choices: dict[str, str] = {}
         self.embedder = embedder
         self.scheduler = scheduler
         self.tokenizer = tokenizer

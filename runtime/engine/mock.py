@@ -132,6 +132,7 @@ class MockEngine:
                 f"max_num_seqs must be >= 1 and max_waiting >= 0, got {max_num_seqs}, {max_waiting}"
             )
         self.model_name = model_name
+        self.kernel_choices: dict[str, str] = {}  # no kernels run
         self.max_model_len = max_model_len
         self.tokenizer = MockTokenizer()
         self.reply = reply

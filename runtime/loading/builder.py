@@ -17,6 +17,7 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequa
 from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from jax_llm_runtime.pallas_kernels.paged_attention.ops import ragged_implementation
+from jax_llm_runtime.pallas_kernels.selection import choose_kernels
 from jax_llm_runtime.runtime.config import EngineConfig
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan
 from jax_llm_runtime.runtime.engine.core import Engine
@@ -167,6 +168,12 @@ def _build_replica(
     if mesh is not None:
         model_config, weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
+    kernels = choose_kernels(
+        model_config,
+        weights,
+        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype),
+        {"attention": config.attention_backend, "dequant_matmul": config.matmul_backend},
+    )
 
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     replica_devices = list(mesh.devices.flat) if mesh is not None else [_device(devices)]
@@ -227,7 +234,7 @@ def _build_replica(
     embedder = None
     if spec.hidden_states is not None:
         embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
-    return Engine(
+    engine = Engine(
         runner,
         scheduler,
         tokenizer,
@@ -237,6 +244,8 @@ def _build_replica(
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
+    engine.kernel_choices = kernels
+    return engine
 
 
 def place_on_mesh(

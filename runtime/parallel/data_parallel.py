@@ -33,6 +33,7 @@ class DataParallelEngine:
         self.replicas = replicas
         first = replicas[0]
         self.model_name = first.model_name
+        self.kernel_choices = first.kernel_choices  # every replica chose on the same kind of device
         self.max_model_len = first.max_model_len
         self.tokenizer = first.tokenizer
         self.compile_done = threading.Event()

@@ -112,6 +112,15 @@ def test_metrics_move_after_a_request(client: Client) -> None:
     assert after["runtime_num_requests_running" + model] == 0
 
 
+def test_metrics_say_which_kernels_run(engine: MockEngine) -> None:
+    engine.kernel_choices = {"attention": "pallas", "dequant_matmul": "reference"}
+    with _client(engine) as client:
+        samples = _samples(client)
+    for kernel, implementation in engine.kernel_choices.items():
+        key = f"runtime_kernel{{implementation={implementation},kernel={kernel},model_name=mock-model}}"
+        assert samples[key] == 1
+
+
 def test_metrics_registries_are_per_app(engine: MockEngine) -> None:
     with _client(engine) as first:
         first.post("/v1/completions", json={"prompt": "ab"})

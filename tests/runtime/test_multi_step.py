@@ -50,6 +50,10 @@ def _run(folder: Path, decode_steps: int, sampling: SamplingParams) -> tuple[lis
         assert engine.scheduler.decode_steps == builder.CPU_DECODE_STEPS
         assert engine.scheduler.multi_step_seqs == builder.CPU_MULTI_STEP_SEQS
         assert engine.runner.multi_step_seqs == builder.CPU_MULTI_STEP_SEQS
+        # On CPU each kernel runs natively or in XLA per call class, as calibration measured.
+        assert engine.kernel_choices == dict.fromkeys(
+            ("attention", "dequant_matmul"), "native-or-xla"
+        )
     try:
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
