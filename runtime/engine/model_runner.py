@@ -208,7 +208,10 @@ class ModelRunner:
             row += item.length
             q_starts[s + 1 :] = row
             kv_lens[s] = end
-            page_indices[s, : len(seq.pages)] = seq.pages
+            # A chunk cut shorter than its allocation holds pages past the step's reach, which
+            # the step neither reads nor writes: the bucket covers the positions it does.
+            held = min(len(seq.pages), pages)
+            page_indices[s, :held] = seq.pages[:held]
         valid = np.arange(num_tokens) < row
         last_rows = np.maximum(q_starts[1:] - 1, 0)
         decode = batch.kind is StepKind.DECODE

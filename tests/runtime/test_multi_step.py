@@ -102,3 +102,26 @@ def test_seeded_sampling_is_the_same_in_one_or_many_steps(model_dir) -> None:
     (_, single), _ = _run(folder, 1, sampled)
     (_, multi), _ = _run(folder, 4, sampled)
     assert multi == single
+
+
+def test_a_chunk_holding_pages_past_its_step_fits_the_steps_page_bucket(model_dir) -> None:
+    # A prompt chunk cut shorter than its allocation (to fill a token bucket, or to stay within
+    # the step's budget) keeps pages the step does not reach; the step's page table is the
+    # bucket of the positions it reaches, which those pages need not fit.
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, ScheduledSeq, StepKind
+    from jax_llm_runtime.runtime.engine.sequence import Sequence
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, _ = model_dir
+    engine = build_engine(
+        EngineConfig(model_id=str(folder), max_num_seqs=4, max_model_len=1024, dtype="float32")
+    )
+    seq = Sequence("r", list(range(1, 301)), SamplingParams(max_tokens=4), seed=0, arrival=0)
+    seq.pages = list(range(40, 21, -1))  # 19 pages of 16 allocated; the step runs 16 tokens
+    batch = ScheduledBatch(StepKind.PREFILL, (ScheduledSeq(seq, 0, 16),))
+    step_batch, _ = engine.runner._prepare(batch)
+    width = step_batch.page_indices.shape[1]
+    assert width == engine.runner.plan.pages[0] < len(seq.pages)
+    assert step_batch.page_indices[0].tolist() == seq.pages[:width]
+    assert int(step_batch.kv_lens[0]) == 16
