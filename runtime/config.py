@@ -19,9 +19,10 @@ DEFAULT_MAX_WAITING = 256
 # context, so each prompt is prefilled in one step (the buckets and the scheduler cap a chunk at
 # max_model_len).
 UNCHUNKED_PREFILL = 1 << 30
-# The token budget of a step on CPU (max_num_batched_tokens 0): with SmolLM2-135M on 2 cores,
-# 16 streams saw gaps of 170 ms at p99 (0.56 s at most) while 2,000-token prompts arrived; 128
-# or 64 narrow the gaps but cost throughput and burst TTFT (BENCHMARKS.md, "Mixed batches").
+# The token budget of a step on CPU (max_num_batched_tokens 0): with SmolLM2-135M on 2 cores a
+# step of 16 decode rows takes ~21 ms and one of 64 tokens ~37 ms, so streams decoding beside a
+# long prompt see gaps within twice their median; 256 made them 6.5x (BENCHMARKS.md, "Mixed
+# batches"). A lone prompt's chunks cost about the same per token either way.
 CPU_BATCHED_TOKENS = 64
 # The KV cache on CPU when --kvcache-mem is not given: host memory is shared with everything
 # else, so it is a fixed size rather than a share of what is free.
