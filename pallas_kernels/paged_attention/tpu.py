@@ -11,7 +11,7 @@ but it does not fit our contract, so it is not used:
 - it places each sequence's queries at the end of its KV (``kv_len - q_len + i``) instead of taking
   ``positions``, requires ``q_len <= kv_len``, and leaves rows past the last sequence (the padding of
   a bucketed step) undefined, where ours are zeros;
-- it scales K/V by one float per cache, not per-row scales.
+- it scales K/V by one float per cache and has no per-row scales.
 
 This kernel, step by step:
 
@@ -30,11 +30,13 @@ This kernel, step by step:
    rows of other sequences are selected away, so NaN in stale pages or in the unused tail of a
    page never reaches the output. A row that sees no key returns zeros.
 
-Supported: float32, bfloat16, float16 and float8 caches without row scales (``k_scale``/``v_scale``
-are folded by ``ops``), GQA, causal chunks after cached pages, static or traced sliding windows,
-soft-capping. Not supported, raising ``ValueError`` (``ops`` then runs the reference): float8 row
-scales (``k_scales``/``v_scales``) and caches in integer storage (only the CPU backend stores
-caches so). Each page is copied synchronously before it is used (no double buffering yet).
+Supported: float32, bfloat16, float16 and float8 caches, float8 with row scales
+(``k_scales``/``v_scales``: each page's scales are copied beside it and each row is dequantised
+before use; per-tensor ``k_scale``/``v_scale`` are folded in by ``ops``), GQA, causal chunks after
+cached pages, static or traced sliding windows, soft-capping. Not supported, raising
+``ValueError``: caches in integer storage (only the CPU backend stores caches so; ``ops`` runs the
+reference for them). Each page is copied synchronously before it is used (no double buffering
+yet).
 
 Checked on CPU only: numerics in Pallas' TPU interpret mode, and lowering to a Mosaic custom call
 with ``jax.export`` for ``tpu``. Mosaic's own compiler (layouts, VMEM limits) has not run it: no
@@ -71,6 +73,7 @@ class Plan:
     pages_per_seq: int
     block_q: int  # query tokens per program
     pages_per_block: int  # pages copied and attended per step
+    row_scales: bool  # a float8 cache with k_scales/v_scales
 
     @property
     def rows(self) -> int:  # query rows of one KV head in a block
@@ -134,12 +137,12 @@ def _copy_pages(plan: Plan, refs: dict, seq, first_page, last_page):
         logical = jnp.where(first_page + i < last_page, first_page + i, first_page)
         page = refs["page_indices"][seq * plan.pages_per_seq + logical]
         rows = pl.ds(i * plan.page_size, plan.page_size)
-        for j, name in enumerate(("k", "v")):
+        for j, name in enumerate(("k", "v", "ks", "vs")[: 4 if plan.row_scales else 2]):
             copies.append(
                 pltpu.make_async_copy(
                     refs[name + "_hbm"].at[layer, page],
                     refs[name + "_buf"].at[rows],
-                    refs["sems"].at[j],
+                    refs["sems"].at[j % 2],
                 )
             )
     for copy in copies:
@@ -162,8 +165,11 @@ def _attend(plan: Plan, refs: dict, seq, first_key, keys, *, scale: float, soft_
     key_used = (key_col >= keys[0]) & (key_col < keys[1])
     g = plan.group
     for h in range(plan.num_kv_heads):
-        k = jnp.where(key_used, refs["k_buf"][:, h, :].astype(jnp.float32), 0.0)
-        v = jnp.where(key_used, refs["v_buf"][:, h, :].astype(jnp.float32), 0.0)
+        k = refs["k_buf"][:, h, :].astype(jnp.float32)  # [num_keys, head_dim]
+        v = refs["v_buf"][:, h, :].astype(jnp.float32)
+        if plan.row_scales:  # dequantised before the select: a stale row's scale may be NaN
+            k, v = k * refs["ks_buf"][:, h : h + 1], v * refs["vs_buf"][:, h : h + 1]
+        k, v = jnp.where(key_used, k, 0.0), jnp.where(key_used, v, 0.0)
         q = refs["q"][:, h * g : (h + 1) * g, :].astype(jnp.float32).reshape(plan.rows, -1)
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
@@ -185,12 +191,17 @@ def _attend(plan: Plan, refs: dict, seq, first_key, keys, *, scale: float, soft_
 
 
 _SCALAR_NAMES = ("layer", "q_starts", "page_indices", "row_lo", "row_hi", "first_seq", "end_seq")
-_REF_NAMES = (
-    *_SCALAR_NAMES,
-    "q", "lo", "hi", "seq", "k_hbm", "v_hbm",  # inputs
-    "o",  # output
-    "k_buf", "v_buf", "sems", "m", "l", "acc",  # scratch
-)  # fmt: skip
+
+
+def _ref_names(row_scales: bool) -> tuple[str, ...]:
+    """The kernel's refs in order: scalar prefetch, inputs, output, scratch."""
+    scales_in, scales_buf = (("ks_hbm", "vs_hbm"), ("ks_buf", "vs_buf")) if row_scales else ((), ())
+    return (
+        *_SCALAR_NAMES,
+        "q", "lo", "hi", "seq", "k_hbm", "v_hbm", *scales_in,
+        "o",
+        "k_buf", "v_buf", "sems", "m", "l", "acc", *scales_buf,
+    )  # fmt: skip
 
 
 def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
@@ -200,9 +211,11 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
     row_hi [num_tokens], first_seq and end_seq [num_blocks]. VMEM blocks: q and o [block_q,
     num_heads, head_dim]; lo, hi, seq [rows, 1] int32. HBM: k_hbm, v_hbm, the whole caches.
     Scratch: k_buf, v_buf [pages_per_block * page_size, num_kv_heads, head_dim]; m, l
-    [num_kv_heads, rows, 128] and acc [num_kv_heads, rows, head_dim] float32.
+    [num_kv_heads, rows, 128] and acc [num_kv_heads, rows, head_dim] float32. With row scales
+    also ks_hbm, vs_hbm [num_layers, num_pages, page_size, num_kv_heads] (HBM) and ks_buf, vs_buf
+    [pages_per_block * page_size, num_kv_heads] float32 (scratch).
     """
-    refs = dict(zip(_REF_NAMES, all_refs, strict=True))
+    refs = dict(zip(_ref_names(plan.row_scales), all_refs, strict=True))
     block = pl.program_id(0)
     block_start = block * plan.block_q
     refs["m"][...] = jnp.full(refs["m"].shape, _MASKED, jnp.float32)
@@ -215,8 +228,10 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
         start = jnp.maximum(refs["q_starts"][seq], block_start)
         end = jnp.minimum(refs["q_starts"][seq + 1], block_start + plan.block_q)
         keys = _seq_key_range(refs["row_lo"], refs["row_hi"], start, end, max_keys)
-        first_page = keys[0] // ps
-        last_page = jnp.maximum((keys[1] + ps - 1) // ps, first_page)
+        # lax.div truncates (the values are >= 0): jnp's floor division asks for the TPU's
+        # generation while lowering, which a lowering without a TPU cannot answer.
+        first_page = lax.div(keys[0], ps)
+        last_page = jnp.maximum(lax.div(keys[1] + ps - 1, ps), first_page)
 
         def one_step(step, carry):
             page = first_page + step * per_block
@@ -224,7 +239,7 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
             _attend(plan, refs, seq, page * ps, keys, scale=scale, soft_cap=soft_cap)
             return carry
 
-        steps = (last_page - first_page + per_block - 1) // per_block
+        steps = lax.div(last_page - first_page + per_block - 1, per_block)
         return lax.fori_loop(0, steps, one_step, carry)
 
     block_seqs = (refs["first_seq"][block], refs["end_seq"][block])
@@ -237,12 +252,10 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
         refs["o"][:, h * g : (h + 1) * g, :] = out.astype(refs["o"].dtype)
 
 
-def _validate(q, k_cache, v_cache, k_scales, sliding_window, soft_cap) -> None:
-    if k_scales is not None:
-        raise ValueError(
-            "the TPU kernel does not read float8 row scales (k_scales/v_scales): use the "
-            "reference (ops.ragged_attention does)"
-        )
+def _validate(k_cache, v_cache, k_scales, v_scales, sliding_window, soft_cap) -> None:
+    reference._validate_scales(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and (k_scales.dtype != jnp.float32 or v_scales.dtype != jnp.float32):
+        raise ValueError(f"row scales must be float32, got {k_scales.dtype}, {v_scales.dtype}")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match")
     if k_cache.dtype not in [jnp.dtype(d) for d in CACHE_DTYPES]:
@@ -262,6 +275,7 @@ def make_plan(
     pages_per_seq: int,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    row_scales: bool = False,
 ) -> Plan:
     """The call's static shapes; by default 8 query tokens per program and 128 keys per step
     (fewer where the page table is shorter)."""
@@ -280,6 +294,7 @@ def make_plan(
         pages_per_seq=pages_per_seq,
         block_q=block_q,
         pages_per_block=pages_per_block,
+        row_scales=row_scales,
     )
 
 
@@ -309,20 +324,20 @@ def _inputs(plan: Plan, q, layer, positions, q_starts, page_indices, kv_lens, wi
     return scalars, (q, *per_row)
 
 
-def _launch(plan: Plan, scalars, vmem_inputs, k_cache, v_cache, out_dtype, kernel, interpret):
+def _launch(plan: Plan, scalars, vmem_inputs, caches, out_dtype, kernel, interpret):
     """The ``pallas_call``: one program per query block (``parallel``: blocks share nothing)."""
     num_heads = plan.num_kv_heads * plan.group
     q_spec = pl.BlockSpec((plan.block_q, num_heads, plan.head_dim), lambda b, *_: (b, 0, 0))
     row_spec = pl.BlockSpec((plan.rows, 1), lambda b, *_: (b, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM(
-        (plan.pages_per_block * plan.page_size, plan.num_kv_heads, plan.head_dim), k_cache.dtype
-    )
+    num_keys = plan.pages_per_block * plan.page_size
+    buf = pltpu.VMEM((num_keys, plan.num_kv_heads, plan.head_dim), caches[0].dtype)
+    scale_bufs = [pltpu.VMEM((num_keys, plan.num_kv_heads), jnp.float32)] * (len(caches) - 2)
     lm = pltpu.VMEM((plan.num_kv_heads, plan.rows, _LANES), jnp.float32)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(plan.num_tokens // plan.block_q,),
-        in_specs=[q_spec, row_spec, row_spec, row_spec, hbm, hbm],
+        in_specs=[q_spec, row_spec, row_spec, row_spec, *[hbm] * len(caches)],
         out_specs=q_spec,
         scratch_shapes=[
             buf,
@@ -331,6 +346,7 @@ def _launch(plan: Plan, scalars, vmem_inputs, k_cache, v_cache, out_dtype, kerne
             lm,
             lm,
             pltpu.VMEM((plan.num_kv_heads, plan.rows, plan.head_dim), jnp.float32),
+            *scale_bufs,
         ],
     )
     if interpret is True:
@@ -343,7 +359,7 @@ def _launch(plan: Plan, scalars, vmem_inputs, k_cache, v_cache, out_dtype, kerne
         interpret=interpret or False,
         name="ragged_paged_attention_tpu",
     )
-    return call(*scalars, *vmem_inputs, k_cache, v_cache)
+    return call(*scalars, *vmem_inputs, *caches)
 
 
 def ragged_paged_attention(
@@ -359,8 +375,8 @@ def ragged_paged_attention(
     scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,  # must be None: row scales are not read here
-    v_scales: jax.Array | None = None,  # must be None
+    k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
@@ -370,16 +386,18 @@ def ragged_paged_attention(
     ``block_q`` query tokens per program and ``pages_per_block`` pages per step default to
     ``make_plan``'s. ``interpret=True`` (or a ``pltpu.InterpretParams``) runs Pallas' TPU
     interpreter, which is how the CPU tests run it. Padding rows and rows that see no key return
-    zeros. Raises ``ValueError`` for what the kernel does not take (float8 row scales, integer
-    storage) and for the shapes the reference rejects.
+    zeros. ``k_scales``/``v_scales`` are a float8 cache's row scales, as in the reference. Raises
+    ``ValueError`` for caches in integer storage and for what the reference rejects.
     """
     reference._validate_ragged(q, k_cache, positions, q_starts, page_indices, kv_lens)
-    _validate(q, k_cache, v_cache, k_scales, sliding_window, soft_cap)
-    plan = make_plan(q, k_cache, page_indices.shape[1], block_q, pages_per_block)
+    _validate(k_cache, v_cache, k_scales, v_scales, sliding_window, soft_cap)
+    row_scales = k_scales is not None
+    plan = make_plan(q, k_cache, page_indices.shape[1], block_q, pages_per_block, row_scales)
     scalars, vmem_inputs = _inputs(
         plan, q, jnp.asarray(layer), jnp.asarray(positions), jnp.asarray(q_starts),
         jnp.asarray(page_indices), jnp.asarray(kv_lens), sliding_window, k_cache.shape[1],
     )  # fmt: skip
     kernel = functools.partial(_kernel, plan=plan, scale=scale, soft_cap=soft_cap)
-    out = _launch(plan, scalars, vmem_inputs, k_cache, v_cache, q.dtype, kernel, interpret)
+    caches = (k_cache, v_cache, *((k_scales, v_scales) if row_scales else ()))
+    out = _launch(plan, scalars, vmem_inputs, caches, q.dtype, kernel, interpret)
     return out[: q.shape[0]]
