@@ -372,7 +372,7 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # [num_seqs, pages_per_seq] int32
     kv_lens: jax.Array,  # [num_seqs] int32, valid KV positions (including this step's tokens)
     *,
-    scale: float,
+    scale: float | jax.Array,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
@@ -391,6 +391,9 @@ def ragged_paged_attention(
     """
     reference._validate_ragged(q, k_cache, positions, q_starts, page_indices, kv_lens)
     _validate(k_cache, v_cache, k_scales, v_scales, sliding_window, soft_cap)
+    out_dtype = q.dtype
+    if not isinstance(scale, int | float):  # traced (ops folds a traced k_scale into it)
+        q, scale = q.astype(jnp.float32) * scale, 1.0
     row_scales = k_scales is not None
     plan = make_plan(q, k_cache, page_indices.shape[1], block_q, pages_per_block, row_scales)
     scalars, vmem_inputs = _inputs(
@@ -399,5 +402,5 @@ def ragged_paged_attention(
     )  # fmt: skip
     kernel = functools.partial(_kernel, plan=plan, scale=scale, soft_cap=soft_cap)
     caches = (k_cache, v_cache, *((k_scales, v_scales) if row_scales else ()))
-    out = _launch(plan, scalars, vmem_inputs, caches, q.dtype, kernel, interpret)
+    out = _launch(plan, scalars, vmem_inputs, caches, out_dtype, kernel, interpret)
     return out[: q.shape[0]]

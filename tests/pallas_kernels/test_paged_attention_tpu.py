@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_llm_runtime.pallas_kernels.paged_attention import reference, to_stored, tpu
+from jax_llm_runtime.pallas_kernels.paged_attention import ops, reference, to_stored, tpu
 from tests.pallas_kernels.test_paged_attention_fp8 import fp8_case
 from tests.pallas_kernels.test_paged_attention_kernel import HEAD_DIM, assert_matches, make_case
 from tests.pallas_kernels.test_paged_attention_ragged import (
@@ -230,3 +230,42 @@ def test_the_reference_lowers_without_a_mosaic_call():
         jax.jit(lambda *a: reference.ragged_paged_attention(*a, scale=0.1)), platforms=["tpu"]
     )(*_abstract_args(jnp.float32))
     assert "tpu_custom_call" not in exported.mlir_module()
+
+
+# The entry point: ops.ragged_attention(impl="pallas") runs this kernel (interpreted on CPU).
+
+
+def test_entry_point_runs_the_kernel_with_per_tensor_scales(monkeypatch):
+    calls = []
+    kernel = tpu.ragged_paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["interpret"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tpu, "ragged_paged_attention", spy)
+    rc = mixed_case(8, 2)
+    kwargs = dict(scale=0.25, sliding_window=5, soft_cap=3.0, impl="pallas")
+    f = jax.jit(lambda k_scale, *a: ops.ragged_attention(*a, k_scale=k_scale, v_scale=2.0, **kwargs))
+    out = f(jnp.float32(0.5), *rc.args())  # a traced k_scale: folded into a traced scale
+    assert calls == [True]  # the TPU kernel ran, interpreted on CPU
+    expected = 2.0 * run_reference(*rc.args(), scale=0.125, sliding_window=5, soft_cap=3.0)
+    assert_matches(out, expected, rc.seen(5))
+
+
+def test_entry_point_choice(monkeypatch):
+    rc = mixed_case(8, 2)
+    q, k, v = rc.args()[:3]
+    assert ops.ragged_implementation("pallas", q, k, v, 7) == "pallas"
+    with pytest.raises(ValueError, match="integer storage"):
+        ops.ragged_implementation("pallas", q, to_stored(k, jnp.uint16), v, 7)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert ops.ragged_implementation("pallas", q, k, v, 7) == "pallas"
+    # "auto" waits for the device check: TPU is not a kernel backend until it has passed.
+    assert ops.ragged_implementation("auto", q, k, v, 7) == "reference"
+    monkeypatch.setattr(ops, "KERNEL_BACKENDS", ("tpu", "gpu"))
+    assert ops.ragged_implementation("auto", q, k, v, 7) == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ops.ragged_implementation("auto", q, k, v, 7) == "reference"  # no ragged GPU kernel
+    with pytest.raises(ValueError, match="no Pallas kernel takes the ragged layout on 'gpu'"):
+        ops.ragged_implementation("pallas", q, k, v, 7)
