@@ -35,8 +35,8 @@ import jax
 
 from jax_llm_runtime.pallas_kernels import cpu_choice
 from jax_llm_runtime.pallas_kernels.paged_attention import kernel, reference, tpu
-from jax_llm_runtime.pallas_kernels.paged_attention.layout import value_dtype
 from jax_llm_runtime.pallas_kernels.paged_attention import native as native_kernel
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import value_dtype
 
 IMPLS = ("auto", "pallas", "reference", "native", "cpu")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a device run of the kernel is recorded

@@ -284,7 +284,9 @@ def make_plan(
     block_q = block_q or 8
     pages_per_block = pages_per_block or max(1, min(pages_per_seq, 128 // page_size))
     if block_q < 1 or pages_per_block < 1:
-        raise ValueError(f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must be >= 1")
+        raise ValueError(
+            f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must be >= 1"
+        )
     return Plan(
         num_tokens=-(-num_tokens // block_q) * block_q,
         num_kv_heads=num_kv_heads,

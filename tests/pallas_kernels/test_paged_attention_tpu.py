@@ -10,12 +10,20 @@ lowering for TPU is checked with ``jax.export``: it must produce a Mosaic custom
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_llm_runtime.pallas_kernels.paged_attention import ops, reference, to_stored, tpu
+from jax_llm_runtime.pallas_kernels.paged_attention import (
+    ops,
+    reference,
+    self_check,
+    to_stored,
+    tpu,
+)
 from tests.pallas_kernels.test_paged_attention_fp8 import fp8_case
 from tests.pallas_kernels.test_paged_attention_kernel import HEAD_DIM, assert_matches, make_case
 from tests.pallas_kernels.test_paged_attention_ragged import (
@@ -214,9 +222,7 @@ def test_lowers_to_a_mosaic_custom_call_for_tpu(dtype):
         )
 
     window = jax.ShapeDtypeStruct((), jnp.int32)
-    exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(
-        window, *_abstract_args(dtype)
-    )
+    exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(window, *_abstract_args(dtype))
     text = exported.mlir_module()
     assert exported.platforms == ("tpu",)
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1
@@ -246,7 +252,9 @@ def test_entry_point_runs_the_kernel_with_per_tensor_scales(monkeypatch):
     monkeypatch.setattr(tpu, "ragged_paged_attention", spy)
     rc = mixed_case(8, 2)
     kwargs = dict(scale=0.25, sliding_window=5, soft_cap=3.0, impl="pallas")
-    f = jax.jit(lambda k_scale, *a: ops.ragged_attention(*a, k_scale=k_scale, v_scale=2.0, **kwargs))
+    f = jax.jit(
+        lambda k_scale, *a: ops.ragged_attention(*a, k_scale=k_scale, v_scale=2.0, **kwargs)
+    )
     out = f(jnp.float32(0.5), *rc.args())  # a traced k_scale: folded into a traced scale
     assert calls == [True]  # the TPU kernel ran, interpreted on CPU
     expected = 2.0 * run_reference(*rc.args(), scale=0.125, sliding_window=5, soft_cap=3.0)
@@ -269,3 +277,42 @@ def test_entry_point_choice(monkeypatch):
     assert ops.ragged_implementation("auto", q, k, v, 7) == "reference"  # no ragged GPU kernel
     with pytest.raises(ValueError, match="no Pallas kernel takes the ragged layout on 'gpu'"):
         ops.ragged_implementation("pallas", q, k, v, 7)
+
+
+# The startup check (self_check.py), here in interpret mode.
+
+SERVED = self_check.Served((2, 64, 4, 2, 16), jnp.float32, 8, jnp.float32, scale=0.25,
+                           sliding_window=6, soft_cap=20.0)  # fmt: skip
+BUCKETS = [self_check.Bucket(16, 4, 8), self_check.Bucket(24, 8, 16)]
+
+
+@pytest.mark.parametrize(
+    "cache_dtype,q_dtype", [(jnp.float32, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)]
+)
+def test_self_check_passes(cache_dtype, q_dtype):
+    served = dataclasses.replace(SERVED, cache_dtype=cache_dtype, q_dtype=q_dtype)
+    result = self_check.check_tpu_kernel(served, BUCKETS, interpret=True)
+    assert result.ok, result.reason
+    assert "compiled 2 buckets" in result.reason
+
+
+def test_self_check_reports_a_shape_that_does_not_compile():
+    served = dataclasses.replace(SERVED, cache_dtype=jnp.uint16)  # integer storage
+    result = self_check.check_tpu_kernel(served, BUCKETS, interpret=True)
+    assert not result.ok
+    assert "did not compile: ValueError" in result.reason and "integer storage" in result.reason
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda out: out * 1.001, "differs from the reference"),
+        (lambda out: out.at[-1].set(1.0), "padding) are not zero"),
+        (lambda out: out.at[0, 0, 0].set(jnp.nan), "NaN"),
+    ],
+)
+def test_self_check_reports_wrong_numbers(monkeypatch, damage, reason):
+    kernel = tpu.ragged_paged_attention
+    monkeypatch.setattr(tpu, "ragged_paged_attention", lambda *a, **k: damage(kernel(*a, **k)))
+    result = self_check.check_tpu_kernel(SERVED, BUCKETS[:1], interpret=True)
+    assert not result.ok and reason in result.reason
