@@ -23,7 +23,9 @@ This kernel, step by step:
 2. The grid is one program per query block, for all heads. A program walks the block's sequences;
    for each it takes the union of its rows' key ranges and copies those pages, ``pages_per_block``
    at a time, from the K and V caches in HBM (``pl.ANY``) into VMEM with async copies, all KV heads
-   of a page at once (a page of one layer is contiguous).
+   of a page at once (a page of one layer is contiguous). Buffers are doubled: the next step's
+   pages are copied while the current step's are used (within a sequence; a sequence's first
+   step waits for its copy).
 3. Per KV head (a static loop), its keys are a strided load of the copied rows and its ``group``
    query heads are rows of one matrix, so one K/V block serves the group (GQA). Each step is a
    flash-attention update in float32 with ``HIGHEST`` precision; keys outside a row's range and
@@ -35,8 +37,7 @@ Supported: float32, bfloat16, float16 and float8 caches, float8 with row scales
 before use; per-tensor ``k_scale``/``v_scale`` are folded in by ``ops``), GQA, causal chunks after
 cached pages, static or traced sliding windows, soft-capping. Not supported, raising
 ``ValueError``: caches in integer storage (only the CPU backend stores caches so; ``ops`` runs the
-reference for them). Each page is copied synchronously before it is used (no double buffering
-yet).
+reference for them).
 
 Checked on CPU only: numerics in Pallas' TPU interpret mode, and lowering to a Mosaic custom call
 with ``jax.export`` for ``tpu``. Mosaic's own compiler (layouts, VMEM limits) has not run it: no
@@ -127,10 +128,10 @@ def _seq_key_range(row_lo_ref, row_hi_ref, start, end, max_keys: int):
     return lax.fori_loop(start, end, widen, (jnp.int32(max_keys), jnp.int32(0)))
 
 
-def _copy_pages(plan: Plan, refs: dict, seq, first_page, last_page):
-    """Copies logical pages ``first_page ..`` (``pages_per_block`` of them) of ``seq`` from both
-    caches into the VMEM buffers; slots past ``last_page`` get a copy of ``first_page`` (never
-    used), so every copy reads a page the sequence owns."""
+def _page_copies(plan: Plan, refs: dict, seq, first_page, last_page, slot) -> list:
+    """The copies of logical pages ``first_page ..`` (``pages_per_block`` of them) of ``seq``
+    from the caches (and row scales) into buffer ``slot``; positions past ``last_page`` get a
+    copy of ``first_page`` (never used), so every copy reads a page the sequence owns."""
     layer = refs["layer"][0]
     copies = []
     for i in range(plan.pages_per_block):
@@ -141,20 +142,17 @@ def _copy_pages(plan: Plan, refs: dict, seq, first_page, last_page):
             copies.append(
                 pltpu.make_async_copy(
                     refs[name + "_hbm"].at[layer, page],
-                    refs[name + "_buf"].at[rows],
-                    refs["sems"].at[j % 2],
+                    refs[name + "_buf"].at[slot, rows],
+                    refs["sems"].at[slot, j],
                 )
             )
-    for copy in copies:
-        copy.start()
-    for copy in copies:
-        copy.wait()
+    return copies
 
 
-def _attend(plan: Plan, refs: dict, seq, first_key, keys, *, scale: float, soft_cap: float | None):
-    """One flash-attention update of every KV head's rows with the keys in the VMEM buffers
-    (key ``first_key + i`` in buffer row ``i``), for the rows of sequence ``seq`` only; ``keys``
-    is the ``[lo, hi)`` range of the sequence that some row sees (every key in it is written)."""
+def _attend(plan: Plan, refs: dict, seq, first_key, keys, slot, *, scale, soft_cap):
+    """One flash-attention update of every KV head's rows with the keys in buffer ``slot`` (key
+    ``first_key + i`` in buffer row ``i``), for the rows of sequence ``seq`` only; ``keys`` is
+    the ``[lo, hi)`` range of the sequence that some row sees (every key in it is written)."""
     num_keys = plan.pages_per_block * plan.page_size
     shape = (plan.rows, num_keys)
     key = first_key + lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -165,10 +163,11 @@ def _attend(plan: Plan, refs: dict, seq, first_key, keys, *, scale: float, soft_
     key_used = (key_col >= keys[0]) & (key_col < keys[1])
     g = plan.group
     for h in range(plan.num_kv_heads):
-        k = refs["k_buf"][:, h, :].astype(jnp.float32)  # [num_keys, head_dim]
-        v = refs["v_buf"][:, h, :].astype(jnp.float32)
+        k = refs["k_buf"][slot, :, h, :].astype(jnp.float32)  # [num_keys, head_dim]
+        v = refs["v_buf"][slot, :, h, :].astype(jnp.float32)
         if plan.row_scales:  # dequantised before the select: a stale row's scale may be NaN
-            k, v = k * refs["ks_buf"][:, h : h + 1], v * refs["vs_buf"][:, h : h + 1]
+            k = k * refs["ks_buf"][slot, :, h : h + 1]
+            v = v * refs["vs_buf"][slot, :, h : h + 1]
         k, v = jnp.where(key_used, k, 0.0), jnp.where(key_used, v, 0.0)
         q = refs["q"][:, h * g : (h + 1) * g, :].astype(jnp.float32).reshape(plan.rows, -1)
         s = lax.dot_general(
@@ -210,10 +209,10 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
     SMEM: layer [1], q_starts [num_seqs + 1], page_indices [num_seqs * pages_per_seq], row_lo and
     row_hi [num_tokens], first_seq and end_seq [num_blocks]. VMEM blocks: q and o [block_q,
     num_heads, head_dim]; lo, hi, seq [rows, 1] int32. HBM: k_hbm, v_hbm, the whole caches.
-    Scratch: k_buf, v_buf [pages_per_block * page_size, num_kv_heads, head_dim]; m, l
+    Scratch: k_buf, v_buf [2, pages_per_block * page_size, num_kv_heads, head_dim]; m, l
     [num_kv_heads, rows, 128] and acc [num_kv_heads, rows, head_dim] float32. With row scales
     also ks_hbm, vs_hbm [num_layers, num_pages, page_size, num_kv_heads] (HBM) and ks_buf, vs_buf
-    [pages_per_block * page_size, num_kv_heads] float32 (scratch).
+    [2, pages_per_block * page_size, num_kv_heads] float32 (scratch); sems [2, 2 or 4] DMA.
     """
     refs = dict(zip(_ref_names(plan.row_scales), all_refs, strict=True))
     block = pl.program_id(0)
@@ -233,13 +232,31 @@ def _kernel(*all_refs, plan: Plan, scale: float, soft_cap: float | None):
         first_page = lax.div(keys[0], ps)
         last_page = jnp.maximum(lax.div(keys[1] + ps - 1, ps), first_page)
 
-        def one_step(step, carry):
+        def copies(step, slot) -> list:
             page = first_page + step * per_block
-            _copy_pages(plan, refs, seq, page, last_page)
-            _attend(plan, refs, seq, page * ps, keys, scale=scale, soft_cap=soft_cap)
+            return _page_copies(plan, refs, seq, page, last_page, slot)
+
+        def one_step(step, carry):
+            slot = lax.rem(step, 2)
+
+            @pl.when(step + 1 < steps)
+            def _prefetch():  # the next step's pages, into the other buffer, while this one runs
+                for copy in copies(step + 1, 1 - slot):
+                    copy.start()
+
+            for copy in copies(step, slot):
+                copy.wait()
+            first_key = (first_page + step * per_block) * ps
+            _attend(plan, refs, seq, first_key, keys, slot, scale=scale, soft_cap=soft_cap)
             return carry
 
         steps = lax.div(last_page - first_page + per_block - 1, per_block)
+
+        @pl.when(steps > 0)
+        def _first():
+            for copy in copies(0, 0):
+                copy.start()
+
         return lax.fori_loop(0, steps, one_step, carry)
 
     block_seqs = (refs["first_seq"][block], refs["end_seq"][block])
@@ -333,8 +350,9 @@ def _launch(plan: Plan, scalars, vmem_inputs, caches, out_dtype, kernel, interpr
     row_spec = pl.BlockSpec((plan.rows, 1), lambda b, *_: (b, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     num_keys = plan.pages_per_block * plan.page_size
-    buf = pltpu.VMEM((num_keys, plan.num_kv_heads, plan.head_dim), caches[0].dtype)
-    scale_bufs = [pltpu.VMEM((num_keys, plan.num_kv_heads), jnp.float32)] * (len(caches) - 2)
+    # Two of each buffer: a step's pages are used while the next step's arrive.
+    buf = pltpu.VMEM((2, num_keys, plan.num_kv_heads, plan.head_dim), caches[0].dtype)
+    scale_bufs = [pltpu.VMEM((2, num_keys, plan.num_kv_heads), jnp.float32)] * (len(caches) - 2)
     lm = pltpu.VMEM((plan.num_kv_heads, plan.rows, _LANES), jnp.float32)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
@@ -344,7 +362,7 @@ def _launch(plan: Plan, scalars, vmem_inputs, caches, out_dtype, kernel, interpr
         scratch_shapes=[
             buf,
             buf,
-            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA((2, len(caches))),
             lm,
             lm,
             pltpu.VMEM((plan.num_kv_heads, plan.rows, plan.head_dim), jnp.float32),

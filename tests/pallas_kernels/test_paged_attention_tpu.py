@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jax_llm_runtime.pallas_kernels.paged_attention import (
     ops,
@@ -37,9 +38,9 @@ from tests.pallas_kernels.test_paged_attention_ragged import (
 )
 
 
-def run_tpu(args: tuple, **kwargs) -> jax.Array:
+def run_tpu(args: tuple, interpret=True, **kwargs) -> jax.Array:
     """The kernel, jitted, in Pallas' TPU interpret mode."""
-    return jax.jit(lambda *a: tpu.ragged_paged_attention(*a, interpret=True, **kwargs))(*args)
+    return jax.jit(lambda *a: tpu.ragged_paged_attention(*a, interpret=interpret, **kwargs))(*args)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,window,soft_cap", KERNEL_CASES)
@@ -61,6 +62,18 @@ def test_block_sizes_do_not_change_the_result(block_q, pages_per_block):
     kwargs = dict(scale=0.25, sliding_window=6, soft_cap=20.0)
     out = run_tpu(rc.args(), block_q=block_q, pages_per_block=pages_per_block, **kwargs)
     assert_matches(out, run_reference(*rc.args(), **kwargs), rc.seen(6))
+
+
+@pytest.mark.parametrize("dma_execution_mode", ["on_wait", "eager"])
+def test_double_buffered_copies(dma_execution_mode):
+    # One page per step, so every sequence takes several steps and each step's prefetch lands
+    # in the other buffer. "eager" performs a copy when it starts: a prefetch into the buffer in
+    # use would overwrite the keys before they are read.
+    rc = mixed_case(8, 2)
+    kwargs = dict(scale=0.25, soft_cap=20.0)
+    interpret = pltpu.InterpretParams(dma_execution_mode=dma_execution_mode)
+    out = run_tpu(rc.args(), interpret, block_q=4, pages_per_block=1, **kwargs)
+    assert_matches(out, run_reference(*rc.args(), **kwargs), rc.seen())
 
 
 def test_many_sequences_and_a_long_chunk():
