@@ -207,11 +207,13 @@ def test_key_ranges_and_block_sequences():
 # Lowering for TPU without one: jax.export runs Pallas' Mosaic lowering on abstract shapes.
 
 
-def _abstract_args(dtype, num_tokens=64, num_seqs=8, pages_per_seq=16) -> tuple:
+def _abstract_args(
+    dtype, num_tokens=64, num_seqs=8, pages_per_seq=16, num_heads=8, num_kv_heads=2
+) -> tuple:
     s = jax.ShapeDtypeStruct
-    cache = s((2, 128, 16, 2, 128), dtype)
+    cache = s((2, 128, 16, num_kv_heads, 128), dtype)
     return (
-        s((num_tokens, 8, 128), jnp.float32 if dtype == jnp.float8_e4m3fn else dtype),
+        s((num_tokens, num_heads, 128), jnp.float32 if dtype == jnp.float8_e4m3fn else dtype),
         cache,
         cache,
         s((), jnp.int32),
@@ -241,6 +243,41 @@ def test_lowers_to_a_mosaic_custom_call_for_tpu(dtype):
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1
     assert "ragged_paged_attention_tpu" in text
     assert exported.out_avals[0].shape == (64, 8, 128)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_seqs,num_heads,num_kv_heads",
+    [(1, 1, 1, 1), (256, 64, 32, 8), (512, 16, 14, 2), (128, 128, 16, 16)],
+)
+def test_lowers_for_served_head_layouts(num_tokens, num_seqs, num_heads, num_kv_heads):
+    # Llama-like 32/8, an odd group of 7 (14/2), no GQA with 16 heads, a single-token step.
+    args = _abstract_args(jnp.bfloat16, num_tokens, num_seqs, 32, num_heads, num_kv_heads)
+    exported = jax.export.export(
+        jax.jit(lambda *a: tpu.ragged_paged_attention(*a, scale=0.1)), platforms=["tpu"]
+    )(*args)
+    assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 1
+
+
+def test_traced_layer_inside_a_scan_over_layers():
+    # The decoder scans its layers over the whole stacked cache; the layer is a traced scalar.
+    rc = mixed_case(4, 2, layers=(0, 1))
+    q, k, v, _, positions, q_starts, pages, lens = rc.args()
+
+    def run(q, k, v):
+        def body(x, layer):
+            out = tpu.ragged_paged_attention(
+                x, k, v, layer, positions, q_starts, pages, lens, scale=0.25, block_q=4,
+                interpret=True,
+            )  # fmt: skip
+            return out, out
+
+        return jax.lax.scan(body, q, jnp.arange(2, dtype=jnp.int32))[1]
+
+    outs = jax.jit(run)(q, k, v)
+    first = run_reference(q, k, v, jnp.int32(0), positions, q_starts, pages, lens, scale=0.25)
+    second = run_reference(first, k, v, jnp.int32(1), positions, q_starts, pages, lens, scale=0.25)
+    assert_matches(outs[0], first, rc.seen())
+    assert_matches(outs[1], second, rc.seen())
 
 
 def test_the_reference_lowers_without_a_mosaic_call():
