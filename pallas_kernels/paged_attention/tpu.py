@@ -36,8 +36,8 @@ Supported: float32, bfloat16, float16 and float8 caches, float8 with row scales
 (``k_scales``/``v_scales``: each page's scales are copied beside it and each row is dequantised
 before use; per-tensor ``k_scale``/``v_scale`` are folded in by ``ops``), GQA, causal chunks after
 cached pages, static or traced sliding windows, soft-capping. Not supported, raising
-``ValueError``: caches in integer storage (only the CPU backend stores caches so; ``ops`` runs the
-reference for them).
+``ValueError``: caches in integer storage (only the CPU backend stores caches so, where the native
+kernel or the reference read them; ``ops.ragged_attention(impl="pallas")`` raises for them too).
 
 Checked on CPU only: numerics in Pallas' TPU interpret mode, and lowering to a Mosaic custom call
 with ``jax.export`` for ``tpu``. Mosaic's own compiler (layouts, VMEM limits) has not run it: no
