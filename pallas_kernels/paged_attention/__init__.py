@@ -6,7 +6,9 @@ The cache layout is owned here; callers ask ``kv_cache_shape`` (and ``kv_scale_s
 anything that reads its arrays directly goes through ``from_stored``.
 ``attention`` picks the Pallas kernel (``kernel.py``), the native CPU kernel (``native.py``) or
 the reference (``reference.py``). ``ragged_paged_attention`` is the contract of a step whose
-query rows are a flat run mixing sequences (decode tokens and prefill chunks, ``q_starts``).
+query rows are a flat run mixing sequences (decode tokens and prefill chunks, ``q_starts``);
+``ragged_attention`` picks its implementation, the TPU kernel (``tpu.py``, gated by
+``self_check.py``) among them.
 """
 
 from jax_llm_runtime.pallas_kernels.paged_attention.layout import (

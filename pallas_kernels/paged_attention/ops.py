@@ -9,17 +9,22 @@ not split a custom call). ``implementation`` then picks, for the backend and the
   prefill; ``cpu_choice.native_wins``), else the reference;
 - otherwise the Pallas kernel on the backends in ``KERNEL_BACKENDS``, and the reference
   elsewhere. That tuple is empty until the kernel has compiled and matched the reference on a
-  device (the GPU tests; none has run them yet). TPU needs a kernel of its own: this one
-  gathers K/V rows straight from HBM, which Mosaic TPU does not lower (see README.md).
+  device (the GPU tests; none has run them yet). This kernel gathers K/V rows straight from HBM,
+  which Mosaic TPU does not lower (see README.md); TPU's kernel (``tpu.py``) takes the ragged
+  contract only, below.
 
 Tests and tools force one: ``impl="pallas"`` (interpreted on CPU), ``"reference"``, ``"native"``
 (the native kernel wherever it is built and reads the dtype, measured or not) or ``"cpu"`` (the
 measured rule of ``native``).
 
 ``ragged_attention`` is the same choice for ``reference.ragged_paged_attention``'s contract (a
-flat run of query rows mixing sequences, ``q_starts``), with two differences: no Pallas kernel
-takes that layout yet, so ``impl="pallas"`` raises and a kernel backend runs the reference; and
-the measured class is "decode" when the call has at most one row per sequence, else "prefill".
+flat run of query rows mixing sequences, ``q_starts``), with these differences: its Pallas kernel
+is the TPU one (``tpu.py``), so ``impl="pallas"`` runs it compiled on "tpu", interpreted (Pallas'
+TPU interpreter) on "cpu", and raises elsewhere (no GPU kernel takes the ragged layout) or for a
+cache in integer storage; "auto" runs it only on "tpu" and only once "tpu" is in
+``KERNEL_BACKENDS`` (after the device check, ``self_check.py``), so a kernel backend without one
+runs the reference; and the measured class is "decode" when the call has at most one row per
+sequence, else "prefill".
 
 Attention sinks (``sinks``, gpt-oss) run on the reference only: neither the Pallas nor the native
 kernel takes them, so ``impl="pallas"`` or ``"native"`` with sinks raises, and the automatic and
@@ -28,14 +33,19 @@ measured choices pick the reference.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jax_llm_runtime.pallas_kernels import cpu_choice
-from jax_llm_runtime.pallas_kernels.paged_attention import kernel, reference
+from jax_llm_runtime.pallas_kernels.paged_attention import kernel, reference, tpu
 from jax_llm_runtime.pallas_kernels.paged_attention import native as native_kernel
+from jax_llm_runtime.pallas_kernels.paged_attention.layout import value_dtype
 
 IMPLS = ("auto", "pallas", "reference", "native", "cpu")
 KERNEL_BACKENDS: tuple[str, ...] = ()  # add "gpu" once a device run of the kernel is recorded
+# Backends whose Pallas kernel takes the ragged layout: TPU's compiled, CPU's interpreted.
+RAGGED_PALLAS_BACKENDS = ("tpu", "cpu")
 
 
 def implementation(
@@ -61,17 +71,27 @@ def ragged_implementation(
     native_ok: bool = False,
     sinks: bool = False,
 ) -> str:
-    """Which implementation runs a ragged call on this backend: "native" or "reference" (see the
-    module docstring); ``impl="pallas"`` raises ``ValueError``."""
-    if impl == "pallas":
+    """Which implementation runs a ragged call on this backend: "pallas" (the TPU kernel),
+    "native" or "reference" (see the module docstring); ``impl="pallas"`` raises ``ValueError``
+    where the TPU kernel cannot run the call."""
+    backend = jax.default_backend()
+    if impl == "pallas" and backend not in RAGGED_PALLAS_BACKENDS:
         raise ValueError(
-            "no Pallas kernel takes the ragged layout yet: use impl='auto', 'native', 'cpu' or "
-            "'reference' for ragged_attention, or the padded attention for the Pallas kernel"
+            f"no Pallas kernel takes the ragged layout on {backend!r} (the TPU kernel runs on "
+            "'tpu', interpreted on 'cpu'): use impl='auto' or 'reference' for ragged_attention, "
+            "or the padded attention for the Pallas kernel"
+        )
+    if impl == "pallas" and value_dtype(k_cache.dtype) != k_cache.dtype:
+        raise ValueError(
+            f"the TPU kernel reads float caches, not {k_cache.dtype} (integer storage, which only "
+            "the CPU backend uses): use impl='native', 'cpu' or 'reference'"
         )
     rows_per_seq = -(-q.shape[0] // max(num_seqs, 1))
     call_class = cpu_choice.attention_class(rows_per_seq)
     chosen = _choose(impl, call_class, q, k_cache, v_cache, native_ok, sinks)
-    return "reference" if chosen == "pallas" else chosen
+    if chosen == "pallas" and impl == "auto" and backend != "tpu":
+        return "reference"
+    return chosen
 
 
 def _choose(
@@ -181,15 +201,17 @@ def ragged_attention(
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
-    """Paged attention with ``reference.ragged_paged_attention``'s contract, on the native
-    kernel or the reference (``ragged_implementation``); the arguments are ``attention``'s."""
+    """Paged attention with ``reference.ragged_paged_attention``'s contract, on the TPU kernel,
+    the native kernel or the reference (``ragged_implementation``); the arguments are
+    ``attention``'s."""
     num_seqs, has_sinks = page_indices.shape[0], sinks is not None
     chosen = ragged_implementation(impl, q, k_cache, v_cache, num_seqs, native, has_sinks)
-    run = (
-        native_kernel.ragged_paged_attention
-        if chosen == "native"
-        else reference.ragged_paged_attention
-    )
+    run = {
+        "pallas": functools.partial(
+            tpu.ragged_paged_attention, interpret=jax.default_backend() == "cpu"
+        ),
+        "native": native_kernel.ragged_paged_attention,
+    }.get(chosen, reference.ragged_paged_attention)
     out = run(
         q,
         k_cache,
