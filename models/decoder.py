@@ -82,6 +82,7 @@ class DecoderConfig:
     embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
     final_soft_cap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     lm_head_bias: bool = False
+    layer_scalar: bool = False  # each layer's output scaled by its ``layer_scalar`` (Gemma 4)
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
     first_moe_layer: int = 0

@@ -12,6 +12,7 @@ import numpy as np
 from jax_llm_runtime.models import checkpoint, decoder
 from jax_llm_runtime.models.families import (
     gemma,
+    gemma4,
     glm4,
     llama,
     mistral,
@@ -46,12 +47,15 @@ class ModelSpec:
 
 
 def _decoder(
-    hf_architecture: str, config_from_hf: Callable[[dict[str, Any]], Any], rules: tuple
+    hf_architecture: str,
+    config_from_hf: Callable[[dict[str, Any]], Any],
+    rules: tuple,
+    load: Callable[..., Any] = checkpoint.load,
 ) -> ModelSpec:
     return ModelSpec(
         hf_architecture,
         config_from_hf,
-        partial(checkpoint.load, rules=rules),
+        partial(load, rules=rules),
         decoder.forward,
         decoder.hidden_states,
         decoder.lm_head,
@@ -79,6 +83,18 @@ _SPECS = {
             "Gemma3ForConditionalGeneration",
             gemma.gemma3_config_from_hf,
             gemma.GEMMA3_MULTIMODAL_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Gemma4ForCausalLM",
+            gemma4.gemma4_config_from_hf,
+            gemma4.GEMMA4_WEIGHT_RULES,
+            gemma4.load,
+        ),
+        _decoder(
+            "Gemma4ForConditionalGeneration",
+            gemma4.gemma4_config_from_hf,
+            gemma4.GEMMA4_MULTIMODAL_WEIGHT_RULES,
+            gemma4.load,
         ),
         _decoder("PhiForCausalLM", phi.phi2_config_from_hf, phi.PHI2_WEIGHT_RULES),
         _decoder("Phi3ForCausalLM", phi.phi3_config_from_hf, phi.PHI3_WEIGHT_RULES),

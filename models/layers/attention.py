@@ -6,6 +6,11 @@ and without it (plain causal attention over the given tokens, for embeddings and
 (Qwen2, Phi-2, StableLM, GLM-4) and ``bo`` when ``o_bias`` (Phi-2); the norms ``q_norm``,
 ``k_norm`` (and ``q_norm_b``, ``k_norm_b`` for LayerNorm) when ``qk_norm`` is set (Qwen3,
 Gemma-3, Phi-2, StableLM 2).
+
+Layers whose heads are narrower than others (Gemma 4: ``AttentionConfig.head_dims``) hold
+them zero-padded to the widest head: the padding features are zero in q, k and v, so they add
+nothing to a score and come out as zeros that the output projection's zero rows drop, and every
+layer shares one cache shape. Only the norms over a head need its real width.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers.linear import projection
-from jax_llm_runtime.models.layers.norms import Norm, NormConfig
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig, apply_norm
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     HEAD_DIM,
@@ -49,6 +54,12 @@ class AttentionConfig:
     short base there). ``softmax_scale`` overrides head_dim ** -0.5 (Gemma's
     query_pre_attn_scalar). ``position_query_scale`` = (beta, length) multiplies queries by
     1 + beta * log(1 + floor(position / length)) (Mistral 3's long-context temperature).
+    ``head_dims`` = (sliding, full) are the layers' real head widths when they differ (Gemma 4);
+    ``head_dim`` is then the wider, and the narrower layers' heads are zero-padded to it.
+    ``v_norm`` norms each head of v (an RMS norm without weight, Gemma 4).
+    ``full_values_from_keys``: full-attention layers have no value projection and take their
+    keys' before the norm and rope (Gemma 4's attention_k_eq_v); their checkpoint ``wk`` fills
+    ``wv`` too (``models.families.gemma4``), so the computation is the usual one.
     """
 
     num_heads: int
@@ -64,6 +75,9 @@ class AttentionConfig:
     local_rope: RopeConfig | None = None
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
+    head_dims: tuple[int, int] | None = None
+    v_norm: NormConfig | None = None
+    full_values_from_keys: bool = False
     # The cache-free path (``causal_self_attention``) rounds K and V to this dtype, as a paged run
     # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
     round_kv_to: str | None = None
@@ -78,6 +92,8 @@ class AttentionConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.soft_cap is not None and not self.soft_cap > 0:
             raise ValueError(f"attention soft-cap must be > 0, got {self.soft_cap}")
+        if self.head_dims is not None and max(self.head_dims) != self.head_dim:
+            raise ValueError(f"head_dim {self.head_dim} is not the wider of {self.head_dims}")
         if self.rope.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary dim {self.rope.rotary_dim} is larger than head_dim {self.head_dim}"
@@ -117,14 +133,24 @@ def project_qkv(
     q = layer.wq(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = layer.wk(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = layer.wv(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    width = head_width(cfg, meta)
     if layer.q_norm is not None and layer.k_norm is not None:
-        q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = layer.q_norm(q, width), layer.k_norm(k, width)
+    if cfg.v_norm is not None:
+        v = apply_norm(cfg.v_norm, v, jnp.ones((), jnp.float32), dim=width)
     q, k = _rotate(cfg, q, k, positions, meta)
     if cfg.position_query_scale is not None:
         beta, length = cfg.position_query_scale
         factor = 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))
         q = (q * factor[..., None, None]).astype(q.dtype)
     return q, k, v
+
+
+def head_width(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
+    """This layer's real head width (traced) where layers' widths differ, else None."""
+    if cfg.head_dims is None:
+        return None
+    return jnp.where(meta.local, *cfg.head_dims).astype(jnp.int32)
 
 
 def _rotate(

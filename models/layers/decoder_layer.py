@@ -19,7 +19,7 @@ from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
 from jax_llm_runtime.models.layers.mlp import MLP
 from jax_llm_runtime.models.layers.moe import MoE
 from jax_llm_runtime.models.layers.norms import Norm
-from jax_llm_runtime.models.layers.params import EMBED, layer_axes
+from jax_llm_runtime.models.layers.params import EMBED, NORM, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
@@ -61,6 +61,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = None if cfg.parallel_residual else norm("mlp_norm")
         self.attn_post_norm = norm("attn_post_norm") if cfg.sandwich_norms else None
         self.mlp_post_norm = norm("mlp_post_norm") if cfg.sandwich_norms else None
+        # Gemma 4 scales each layer's output (residual included) by a scalar of its own.
+        scalar = (*lead, 1), dtype, (*layer_axes(lead), NORM), "layer_scalar"
+        self.layer_scalar = declare(*scalar) if cfg.layer_scalar else None
         if is_moe:
             self.ffn = MoE(cfg.moe, lead, h, dtype, quantized)
         else:
@@ -80,14 +83,19 @@ class DecoderLayer(nnx.Module):
         h = self.attn_norm(x)
         attn, state = attend(h)
         if self.parallel_residual:
-            return x + attn + self._ffn(h, valid), state
+            return self._scaled(x + attn + self._ffn(h, valid)), state
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = x + attn
         out = self._ffn(self.mlp_norm(x), valid)
         if self.mlp_post_norm is not None:
             out = self.mlp_post_norm(out)
-        return x + out, state
+        return self._scaled(x + out), state
+
+    def _scaled(self, x: jax.Array) -> jax.Array:
+        if self.layer_scalar is None:
+            return x
+        return x * self.layer_scalar.get_value().astype(x.dtype)
 
     def _ffn(self, h: jax.Array, valid: jax.Array) -> jax.Array:
         return self.ffn(h, valid) if isinstance(self.ffn, MoE) else self.ffn(h)
