@@ -103,6 +103,8 @@ def load_host_weights(
         tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False
     ):
         rule, match = _find_rule(rules, key)
+        if not rule.fields:
+            continue  # a name the architecture ignores (a vision tower, a cached rope table)
         for field in rule.fields:
             if field not in host:
                 raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {field!r}")

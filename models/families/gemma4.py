@@ -24,8 +24,8 @@ import numpy as np
 from jax_llm_runtime.models import checkpoint
 from jax_llm_runtime.models.decoder import DecoderConfig
 from jax_llm_runtime.models.families.gemma import GEMMA2_WEIGHT_RULES
-from jax_llm_runtime.models.families.llama import sliding_flags
 from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
+from jax_llm_runtime.models.families.llama import sliding_flags
 from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.layers.rotary import rope_from_hf
 from jax_llm_runtime.models.state import ModelWeights
@@ -48,7 +48,9 @@ def _refuse_unsupported(text: dict[str, Any]) -> None:
         if text.get(field):
             raise ValueError(f"Gemma 4 {what} ({field}={text[field]!r}) are not supported")
     if text.get("use_bidirectional_attention") == "all":
-        raise ValueError("Gemma 4 with use_bidirectional_attention='all' (an encoder) cannot generate")
+        raise ValueError(
+            "Gemma 4 with use_bidirectional_attention='all' (an encoder) cannot generate"
+        )
 
 
 def _layer_types(text: dict[str, Any], num_layers: int) -> list[str]:
@@ -76,7 +78,9 @@ def _full_layer_shape(text: dict[str, Any], types: list[str]) -> tuple[int, int]
     for i, kind in enumerate(types):
         layer = overrides.get(str(i)) or overrides.get(i) or {}
         if set(layer) - _LAYER_OVERRIDES:
-            raise ValueError(f"Gemma 4 per_layer_config sets {sorted(set(layer) - _LAYER_OVERRIDES)}")
+            raise ValueError(
+                f"Gemma 4 per_layer_config sets {sorted(set(layer) - _LAYER_OVERRIDES)}"
+            )
         shape = int(layer.get("head_dim", local[0])), int(layer.get("num_key_value_heads", kv))
         if kind == "sliding_attention" and shape != local:
             raise ValueError(f"Gemma 4 per_layer_config reshapes sliding layer {i}")

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.harness import TINY, check_model, load_ours
+from tests.models.harness import (
+    TINY,
+    check_last_logits,
+    greedy_hf,
+    greedy_paged,
+    load_ours,
+    prompts,
+)
 
 WINDOW = 8
 
@@ -52,7 +59,10 @@ def _randomised(hf_config, folder, seed: int = 0):
 def _check(hf_config, folder):
     hf_model = _randomised(hf_config, folder)
     model = load_ours(folder)
-    check_model(model, hf_model)
+    # The harness's ``check_model``, reading the vocabulary of a multimodal config's text model.
+    ids = prompts(hf_model.config.get_text_config().vocab_size)
+    check_last_logits(model, hf_model, ids)
+    assert greedy_paged(model, ids) == [greedy_hf(hf_model, p) for p in ids]
     return model
 
 
@@ -62,3 +72,63 @@ def test_gemma4_wide_full_layers_with_values_from_keys(tmp_path):
     att = model.config.attention
     assert (att.head_dim, att.head_dims, att.num_kv_heads) == (32, (16, 32), 2)
     assert model.config.sliding_layers == (True, False, False)  # the last layer is full
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """Gemma4ForConditionalGeneration: the text model under ``model.language_model``, the
+    vision tower skipped; full layers with their own v projection, widened like the rest."""
+    import transformers
+
+    text = _gemma4_config(rope_parameters=_ROPES).to_dict()
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    hf = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    hf.architectures = ["Gemma4ForConditionalGeneration"]
+    model = _check(hf, tmp_path)
+    assert model.config.attention.rope.factor == 2.0
+    assert not model.config.attention.full_values_from_keys
+
+
+_ROPES = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 100.0, "factor": 2.0,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hidden_size_per_layer_input", 256),
+        ("num_kv_shared_layers", 1),
+        ("enable_moe_block", True),
+    ],
+)
+def test_gemma4_unsupported_parts_are_refused(field, value):
+    from jax_llm_runtime.models.registry import model_config_from_hf
+
+    hf = {**_gemma4_config().to_dict(), field: value}
+    with pytest.raises(ValueError, match=f"^Gemma 4 .*{field}={value!r}"):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.slow
+def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
+    """Greedy tokens do not change with the tensor-parallel size; the full layers' 2 KV heads
+    are repeated to the sliding layers' 4, so every layer splits over 4 devices."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
+
+    hf = _gemma4_config(
+        **{k: BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")},
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=2,
+    )
+    _randomised(hf, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    check_split(run_sharded(tmp_path, "1,2,4"))
