@@ -83,6 +83,10 @@ class DecoderConfig:
     final_soft_cap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     lm_head_bias: bool = False
     layer_scalar: bool = False  # each layer's output scaled by its ``layer_scalar`` (Gemma 4)
+    # One flag per layer, or empty for none (Llama 4): layers that attend within chunks of
+    # ``attention.attention_chunk`` positions, and layers without rope.
+    chunked_layers: tuple[bool, ...] = ()
+    nope_layers: tuple[bool, ...] = ()
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
@@ -98,10 +102,12 @@ class DecoderConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_activation(self.activation)
-        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
-            raise ValueError(
-                f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers"
-            )
+        for name in ("sliding_layers", "chunked_layers", "nope_layers"):
+            flags = getattr(self, name)
+            if flags and len(flags) != self.num_layers:
+                raise ValueError(f"{len(flags)} {name} flags for {self.num_layers} layers")
+        if any(self.chunked_layers) and getattr(self.attention, "attention_chunk", None) is None:
+            raise ValueError("chunked layers need an attention_chunk")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "

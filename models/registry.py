@@ -15,6 +15,7 @@ from jax_llm_runtime.models.families import (
     gemma4,
     glm4,
     llama,
+    llama4,
     mistral,
     moe_models,
     phi,
@@ -66,6 +67,18 @@ _SPECS = {
     spec.hf_architecture: spec
     for spec in (
         _decoder("LlamaForCausalLM", llama.llama_config_from_hf, llama.WEIGHT_RULES),
+        _decoder(
+            "Llama4ForCausalLM",
+            llama4.llama4_config_from_hf,
+            llama4.LLAMA4_WEIGHT_RULES,
+            llama4.load,
+        ),
+        _decoder(
+            "Llama4ForConditionalGeneration",
+            llama4.llama4_config_from_hf,
+            llama4.LLAMA4_MULTIMODAL_WEIGHT_RULES,
+            llama4.load,
+        ),
         _decoder("MistralForCausalLM", mistral.mistral_config_from_hf, llama.WEIGHT_RULES),
         _decoder("MinistralForCausalLM", mistral.ministral_config_from_hf, llama.WEIGHT_RULES),
         _decoder("Ministral3ForCausalLM", mistral.ministral3_config_from_hf, llama.WEIGHT_RULES),

@@ -31,10 +31,17 @@ def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
     """Stacked per-layer facts for layers ``start:end``."""
     sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
     window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
+    chunked = np.asarray(cfg.chunked_layers or (False,) * cfg.num_layers)[start:end]
+    chunk = getattr(cfg.attention, "attention_chunk", None) or FULL_WINDOW
+    rotates = None if not cfg.nope_layers else ~np.asarray(cfg.nope_layers)[start:end]
     return LayerMeta(
         index=jnp.arange(start, end, dtype=jnp.int32),
         window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
         local=jnp.asarray(sliding),
+        chunk=jnp.asarray(np.where(chunked, chunk, FULL_WINDOW), jnp.int32)
+        if cfg.chunked_layers
+        else None,
+        rotates=None if rotates is None else jnp.asarray(rotates),
     )
 
 

@@ -8,7 +8,8 @@ One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and 
 3. Expert weights: the *uncorrected* scores of the chosen experts, optionally renormalised to sum
    to one, then multiplied by ``routed_scaling_factor``.
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
-   (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
+   (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE). With ``weighted_inputs``
+   (Llama 4) the weight scales each chosen expert's input instead, and the outputs are summed.
 
 ``MoE`` declares a layer's weights and computes the block; ``moe_mlp`` is the same with the
 weights given by field name. Matrices are stored ``[in, out]``:
@@ -100,6 +101,7 @@ class MoEConfig:
     has_router_bias: bool = False  # ``router_bias`` shifts the choice, never the weights
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
+    weighted_inputs: bool = False  # experts see their token times its weight (Llama 4)
     activation: str = "silu"
     offload: ExpertOffload | None = None  # experts kept in host memory (a runtime choice)
 
@@ -355,8 +357,11 @@ class MoE(Block):
         bias = None if self.router_bias is None else self.router_bias.get_value()
         experts, weights = route(cfg, tokens, self.router.get_value(), bias)
         valid_tokens = None if valid is None else valid.reshape(-1)
-        per_slot = self._routed_experts(tokens, experts, valid_tokens)
-        out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
+        if cfg.weighted_inputs:
+            out = self._weighted_inputs(tokens, experts, weights, valid_tokens)
+        else:
+            per_slot = self._routed_experts(tokens, experts, valid_tokens)
+            out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
         if self.s_gate is not None and self.s_up is not None and self.s_down is not None:
             act = _ACTIVATIONS[cfg.activation]
             shared = self.s_down(act(self.s_gate(tokens)) * self.s_up(tokens))
@@ -365,6 +370,22 @@ class MoE(Block):
                 shared = shared * jax.nn.sigmoid(self.s_router(tokens).astype(jnp.float32))
             out = out + shared
         return out.astype(x.dtype).reshape(x.shape)
+
+    def _weighted_inputs(
+        self,
+        tokens: jax.Array,  # [num_tokens, hidden]
+        experts: jax.Array,  # [num_tokens, top_k] int32
+        weights: jax.Array,  # [num_tokens, top_k] float32
+        valid: jax.Array | None,  # [num_tokens] bool
+    ) -> jax.Array:  # [num_tokens, hidden] float32
+        """The sum over slots of each chosen expert run on its token times the slot's weight:
+        every (token, slot) is a row of its own, routed to its one expert."""
+        num_tokens, top_k = experts.shape
+        rows = tokens[:, None, :] * weights[..., None].astype(tokens.dtype)
+        rows = rows.reshape(num_tokens * top_k, -1)  # [num_tokens * top_k, hidden]
+        row_valid = None if valid is None else jnp.repeat(valid, top_k)
+        out = self._routed_experts(rows, experts.reshape(-1, 1), row_valid)
+        return out.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(axis=1)
 
     def _routed_experts(
         self,
@@ -376,7 +397,7 @@ class MoE(Block):
         offloaded one. The mechanism follows the full expert count either way, so offloading
         changes where weights live, not the arithmetic."""
         cfg = self.cfg
-        grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
+        grouped = experts.size > cfg.num_experts
         run = partial(experts_grouped if grouped else experts_gathered, activation=cfg.activation)
         resident = (self.e_gate, self.e_up, self.e_down)
         if cfg.offload is None:

@@ -20,6 +20,10 @@ measured rule of ``native``).
 flat run of query rows mixing sequences, ``q_starts``), with two differences: no Pallas kernel
 takes that layout yet, so ``impl="pallas"`` raises and a kernel backend runs the reference; and
 the measured class is "decode" when the call has at most one row per sequence, else "prefill".
+
+A call with an ``attention_chunk`` (Llama 4's chunked layers) runs the reference whatever
+``impl`` says: neither the Pallas nor the native kernel has that mask. The layers of a model
+are scanned as one, so a model with chunked layers runs all its attention on the reference.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ def attention(
     v_scale: float | jax.Array = 1.0,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    attention_chunk: int | jax.Array | None = None,
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
@@ -116,6 +121,8 @@ def attention(
     native CPU kernels may run where this step runs (see the module docstring).
     """
     chosen = implementation(impl, q, k_cache, v_cache, native)
+    if attention_chunk is not None:
+        chosen = "reference"
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -134,6 +141,7 @@ def attention(
             v_scales=v_scales,
             interpret=jax.default_backend() == "cpu",
         )
+    chunk = {} if attention_chunk is None else {"attention_chunk": attention_chunk}
     out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
         q,
         k_cache,
@@ -147,6 +155,7 @@ def attention(
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
+        **chunk,
     )
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
 
@@ -168,12 +177,16 @@ def ragged_attention(
     v_scale: float | jax.Array = 1.0,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
+    attention_chunk: int | jax.Array | None = None,
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Paged attention with ``reference.ragged_paged_attention``'s contract, on the native
     kernel or the reference (``ragged_implementation``); the arguments are ``attention``'s."""
     chosen = ragged_implementation(impl, q, k_cache, v_cache, page_indices.shape[0], native)
+    if attention_chunk is not None:
+        chosen = "reference"
+    chunk = {} if attention_chunk is None else {"attention_chunk": attention_chunk}
     run = (
         native_kernel.ragged_paged_attention
         if chosen == "native"
@@ -193,5 +206,6 @@ def ragged_attention(
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
+        **chunk,
     )
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)

@@ -132,3 +132,38 @@ def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
     _randomised(hf, tmp_path)
     save_byte_tokenizer(tmp_path)
     check_split(run_sharded(tmp_path, "1,2,4"))
+
+
+# Llama 4: 4 layers, every 4th without rope (so layer 3 attends to everything with the query
+# temperature), the others in chunks of 8 positions; prompts of up to 22 tokens plus 16 decoded
+# cross several chunks. A floor scale of 4 makes the temperature change within the prompts.
+LLAMA4 = dict(
+    TINY,
+    num_hidden_layers=4,
+    head_dim=16,
+    intermediate_size=32,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    attention_chunk_size=8,
+    floor_scale=4,
+    attn_scale=0.5,
+    pad_token_id=0,
+)
+
+
+def _llama4_config(**fields):
+    import transformers
+
+    config = transformers.Llama4TextConfig(**{**LLAMA4, **fields})
+    config.architectures = ["Llama4ForCausalLM"]
+    return config
+
+
+def test_llama4_chunked_nope_layers_and_moe(tmp_path):
+    model = _check(_llama4_config(), tmp_path)
+    cfg = model.config
+    assert cfg.chunked_layers == (True, True, True, False)
+    assert cfg.nope_layers == (False, False, False, True)
+    assert cfg.segments == ((0, 4, True),)
+    assert cfg.attention.rope.interleaved
