@@ -167,3 +167,125 @@ def test_llama4_chunked_nope_layers_and_moe(tmp_path):
     assert cfg.nope_layers == (False, False, False, True)
     assert cfg.segments == ((0, 4, True),)
     assert cfg.attention.rope.interleaved
+
+
+def _chunk_case(seed: int = 0):
+    """One layer's cache holding 2 sequences on shuffled pages of 4 (the unused rows NaN), and
+    their queries: a 6-row chunk at positions 7..12 of a 13-long sequence, and a decode row at
+    position 9."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    num_pages, page_size, kv_heads, head_dim = 10, 4, 2, 8
+    k = np.full((1, num_pages, page_size, kv_heads, head_dim), np.nan, np.float32)
+    v = k.copy()
+    pages = rng.permutation(num_pages)[:8].reshape(2, 4).astype(np.int32)
+    kv_lens = np.asarray([13, 10], np.int32)
+    for s in range(2):
+        for t in range(kv_lens[s]):
+            page, row = pages[s, t // page_size], t % page_size
+            k[0, page, row], v[0, page, row] = rng.standard_normal((2, kv_heads, head_dim))
+    q = rng.standard_normal((7, 4, head_dim)).astype(np.float32)
+    positions = np.asarray([7, 8, 9, 10, 11, 12, 9], np.int32)
+    q_starts = np.asarray([0, 6, 7], np.int32)
+    return k, v, pages, kv_lens, q, positions, q_starts
+
+
+def _dense_chunked(k, v, pages, kv_len, q, positions, chunk):
+    """Softmax attention of ``q`` over one sequence's keys, masked causally within chunks."""
+    import numpy as np
+
+    rows = k[0, pages].reshape(-1, *k.shape[3:])[:kv_len], v[0, pages].reshape(-1, *v.shape[3:])
+    keys, values = rows[0], rows[1][:kv_len]
+    keys = np.repeat(keys, q.shape[1] // keys.shape[1], axis=1)  # [t, heads, d]
+    values = np.repeat(values, q.shape[1] // values.shape[1], axis=1)
+    scores = np.einsum("qhd,thd->hqt", q, keys) / np.sqrt(q.shape[-1])
+    t, p = np.arange(kv_len)[None, :], positions[:, None]
+    scores = np.where((t <= p) & (t // chunk == p // chunk), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hqt,thd->qhd", probs, values)
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+def test_chunked_attention_mask_in_the_references(impl):
+    """Padded and ragged calls with an attention chunk see only their own chunk's keys; the
+    native kernel has no chunk mask, so a chunked call runs the reference whatever is asked."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_llm_runtime.pallas_kernels.paged_attention import attention, ragged_attention
+
+    k, v, pages, kv_lens, q, positions, q_starts = _chunk_case()
+    chunk, scale = 4, 8**-0.5
+    want = np.concatenate(
+        [
+            _dense_chunked(k, v, pages[0], 13, q[:6], positions[:6], chunk),
+            _dense_chunked(k, v, pages[1], 10, q[6:], positions[6:], chunk),
+        ]
+    )
+    common = dict(scale=scale, attention_chunk=jnp.int32(chunk), impl=impl)
+    layer = jnp.int32(0)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    ragged = ragged_attention(
+        q, k, v, layer, positions, q_starts, pages, kv_lens, **common
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(ragged), want, atol=1e-5)
+    padded = attention(
+        q[None, :6], k, v, layer, positions[None, :6], pages[:1], kv_lens[:1], **common
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(padded[0]), want[:6], atol=1e-5)
+
+
+def test_llama4_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """Llama4ForConditionalGeneration: the text model under ``language_model``, the vision
+    model and projector skipped; two experts per token here."""
+    import transformers
+
+    vision = transformers.Llama4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=64, rope_theta=10000,
+    )  # fmt: skip
+    text = _llama4_config(num_experts_per_tok=2).to_dict()
+    hf = transformers.Llama4Config(text_config=text, vision_config=vision)
+    hf.architectures = ["Llama4ForConditionalGeneration"]
+    model = _check(hf, tmp_path)
+    assert model.config.moe.top_k == 2
+
+
+def test_llama4_dense_first_layers_and_no_qk_norm(tmp_path):
+    """``moe_layers`` after a dense first layer (its MLP of ``intermediate_size_mlp``), no q/k
+    norm, no temperature tuning."""
+    hf = _llama4_config(moe_layers=[1, 2, 3], use_qk_norm=False, attn_temperature_tuning=False)
+    model = _check(hf, tmp_path)
+    assert model.config.segments == ((0, 1, False), (1, 4, True))
+    assert model.config.attention.query_temperature is None
+
+
+def test_llama4_interleaved_moe_layers_are_refused():
+    from jax_llm_runtime.models.registry import model_config_from_hf
+
+    hf = _llama4_config(interleave_moe_layer_step=2).to_dict()
+    with pytest.raises(ValueError, match="interleaved"):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.slow
+def test_llama4_tensor_parallel_with_expert_parallelism(tmp_path):
+    """Greedy tokens do not change with the tensor-parallel size, with the routed experts
+    replicated or split over the devices (expert parallelism)."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
+
+    hf = _llama4_config(
+        **{k: BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")},
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    _randomised(hf, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    split = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
+    check_split(split)
+    replicated = run_sharded(tmp_path, "4")
+    assert replicated["4"]["tokens"] == split["1"]["tokens"]
