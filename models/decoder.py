@@ -63,8 +63,9 @@ class DecoderConfig:
     """Static description of one model. ``sliding_layers`` is empty (no layer slides) or one flag
     per layer; sliding layers use ``attention.sliding_window`` and, when set,
     ``attention.local_rope``. ``attention`` is multi-head latent attention (DeepSeek) when it is
-    an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on replace the MLP with
-    mixture-of-experts; the layers before keep the dense MLP of ``intermediate_size``."""
+    an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on (or, when set, the layers
+    flagged in ``moe_layers``, which may alternate with dense ones: Llama 4 Maverick) replace
+    the MLP with mixture-of-experts; the others keep the dense MLP of ``intermediate_size``."""
 
     vocab_size: int
     hidden_size: int
@@ -90,6 +91,7 @@ class DecoderConfig:
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
+    moe_layers: tuple[bool, ...] = ()
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
@@ -102,7 +104,9 @@ class DecoderConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_activation(self.activation)
-        for name in ("sliding_layers", "chunked_layers", "nope_layers"):
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers needs a moe config")
+        for name in ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers"):
             flags = getattr(self, name)
             if flags and len(flags) != self.num_layers:
                 raise ValueError(f"{len(flags)} {name} flags for {self.num_layers} layers")
@@ -150,8 +154,14 @@ class DecoderConfig:
         """``(start, end, is_moe)`` runs of alike layers, each scanned separately."""
         if self.moe is None:
             return ((0, self.num_layers, False),)
-        runs = ((0, self.first_moe_layer, False), (self.first_moe_layer, self.num_layers, True))
-        return tuple(run for run in runs if run[1] > run[0])
+        flags = self.moe_layers or tuple(i >= self.first_moe_layer for i in range(self.num_layers))
+        runs: list[tuple[int, int, bool]] = []
+        for i, is_moe in enumerate(flags):
+            if runs and runs[-1][2] == is_moe:
+                runs[-1] = (runs[-1][0], i + 1, is_moe)
+            else:
+                runs.append((i, i + 1, is_moe))
+        return tuple(runs)
 
 
 QUANTIZATIONS = (None, "int8", *ISQ_TYPES)

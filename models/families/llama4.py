@@ -6,9 +6,9 @@ after rope (an RMS norm without weight, with ``use_qk_norm``). The feed-forward 
 expert by router logit, times the sigmoid of that logit, which scales the expert's input.
 
 The chunked layers' mask runs on the attention reference (``pallas_kernels.paged_attention.ops``):
-no kernel has it. MoE layers interleaved with dense ones (``interleave_moe_layer_step`` > 1, as
-Llama 4 Maverick) are refused with one line; the multimodal checkpoint loads its text model and
-skips the vision model.
+no kernel has it. MoE layers may alternate with dense ones (``interleave_moe_layer_step`` > 1,
+as in Llama 4 Maverick): each run of alike layers is a segment of its own. The multimodal
+checkpoint loads its text model and skips the vision model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from jax_llm_runtime.models import checkpoint
 from jax_llm_runtime.models.decoder import DecoderConfig
 from jax_llm_runtime.models.families.llama import ATTENTION_RULES, GLOBAL_RULES, LAYER
 from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
-from jax_llm_runtime.models.families.moe_models import _first_moe_layer
 from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.state import ModelWeights
@@ -56,7 +55,9 @@ def _chunked_flags(text: dict[str, Any], rotates: list[bool]) -> list[bool]:
     return chunked
 
 
-def _moe(text: dict[str, Any]) -> tuple[MoEConfig, int]:
+def _moe(text: dict[str, Any]) -> tuple[MoEConfig, tuple[bool, ...]]:
+    """The experts, and which layers have them (``moe_layers``, else every
+    ``interleave_moe_layer_step``-th)."""
     num_layers, step = int(text["num_hidden_layers"]), int(text.get("interleave_moe_layer_step", 1))
     moe_layers = text.get("moe_layers")
     if moe_layers is None:
@@ -71,7 +72,7 @@ def _moe(text: dict[str, Any]) -> tuple[MoEConfig, int]:
         weighted_inputs=True,
         activation=text.get("hidden_act", "silu"),
     )
-    return moe, _first_moe_layer([i in set(moe_layers) for i in range(num_layers)])
+    return moe, tuple(i in set(moe_layers) for i in range(num_layers))
 
 
 def llama4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
@@ -80,7 +81,7 @@ def llama4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     num_layers = int(text["num_hidden_layers"])
     rotates = _rope_flags(text, num_layers)
     chunked = _chunked_flags(text, rotates)
-    moe, first = _moe(text)
+    moe, moe_layers = _moe(text)
     eps = float(text.get("rms_norm_eps", 1e-5))
     tuning = bool(text.get("attn_temperature_tuning", True)) and not all(rotates)
     base = llama_like(
@@ -98,7 +99,7 @@ def llama4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         norm=NormConfig("rms", eps),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=moe,
-        first_moe_layer=first,
+        moe_layers=moe_layers,
         chunked_layers=tuple(chunked) if any(chunked) else (),
         nope_layers=tuple(not r for r in rotates) if not all(rotates) else (),
     )

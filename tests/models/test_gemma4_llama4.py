@@ -263,12 +263,11 @@ def test_llama4_dense_first_layers_and_no_qk_norm(tmp_path):
     assert model.config.attention.query_temperature is None
 
 
-def test_llama4_interleaved_moe_layers_are_refused():
-    from jax_llm_runtime.models.registry import model_config_from_hf
-
-    hf = _llama4_config(interleave_moe_layer_step=2).to_dict()
-    with pytest.raises(ValueError, match="interleaved"):
-        model_config_from_hf(hf)
+def test_llama4_moe_layers_alternating_with_dense_ones(tmp_path):
+    """Maverick's layout: every second layer MoE, the others dense; each run of alike layers is
+    its own segment, and the stacked fields of the dense and the MoE layers skip the others."""
+    model = _check(_llama4_config(interleave_moe_layer_step=2), tmp_path)
+    assert model.config.segments == ((0, 1, False), (1, 2, True), (2, 3, False), (3, 4, True))
 
 
 @pytest.mark.slow
