@@ -92,6 +92,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
     moe_layers: tuple[bool, ...] = ()
+    moe_beside_mlp: bool = False  # MoE layers keep the dense MLP too, beside the experts (Gemma 4)
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels

@@ -10,7 +10,12 @@ count, so that one layer stack and one cache shape serve all layers: the loader 
 narrower heads with zeros (``models.layers.attention``) and repeats each of the fewer KV heads
 for the query heads it serves. That costs the narrower layers' padding in memory and flops.
 
-Per-layer embeddings, KV sharing across layers and the MoE block are refused, naming the field.
+With ``enable_moe_block`` (Gemma 4 26B-A4B) every layer runs its dense MLP and a mixture of
+experts side by side (``DecoderConfig.moe_beside_mlp``): the router reads the residual stream,
+RMS-normed and scaled, picks ``top_k_experts`` by softmax, renormalises them and scales each by
+its expert's learned scale.
+
+Per-layer embeddings and KV sharing across layers are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import numpy as np
 from jax_llm_runtime.models import checkpoint
 from jax_llm_runtime.models.decoder import DecoderConfig
 from jax_llm_runtime.models.families.gemma import GEMMA2_WEIGHT_RULES
+from jax_llm_runtime.models.families.llama import LAYER, sliding_flags
 from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
-from jax_llm_runtime.models.families.llama import sliding_flags
+from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.layers.rotary import rope_from_hf
 from jax_llm_runtime.models.state import ModelWeights
@@ -37,7 +43,6 @@ _LAYER = r"model\.(?:language_model\.)?layers\.(\d+)\."
 _REFUSED = {
     "hidden_size_per_layer_input": "per-layer embeddings",
     "num_kv_shared_layers": "KV sharing across layers",
-    "enable_moe_block": "the MoE block",
     "attention_bias": "attention biases",
 }
 _LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
@@ -113,6 +118,7 @@ def gemma4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     local_rope = rope_from_hf({**base, "rope_parameters": ropes["sliding_attention"]}, local_dim)
     eps = float(text.get("rms_norm_eps", 1e-6))
     head_dim = max(local_dim, full_dim) if sliding else full_dim
+    moe = _moe(text, eps) if text.get("enable_moe_block") else None
     return llama_like(
         {**text, "rope_parameters": None, "rope_scaling": None, "head_dim": head_dim},
         attention={
@@ -134,6 +140,20 @@ def gemma4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         final_soft_cap=text.get("final_logit_softcapping"),
         sliding_layers=slides if sliding else (),
         layer_scalar=True,
+        moe=moe,
+        moe_beside_mlp=moe is not None,
+    )
+
+
+def _moe(text: dict[str, Any], eps: float) -> MoEConfig:
+    return MoEConfig(
+        num_experts=int(text["num_experts"]),
+        top_k=int(text["top_k_experts"]),
+        expert_intermediate_size=int(text["moe_intermediate_size"]),
+        norm_topk_prob=True,
+        activation=text.get("hidden_activation") or "gelu_pytorch_tanh",
+        router_norm=NormConfig("rms", eps),
+        expert_scale=True,
     )
 
 
@@ -168,7 +188,7 @@ def _uniform_heads(
     for name, value in tensors:
         match = _ATTENTION.fullmatch(name)
         if match is None:
-            yield name, value
+            yield from _expert_stacks(name, value)
             continue
         layer, kind = int(match[1]), match[2]
         width = _layer_head_dim(cfg, layer)
@@ -181,6 +201,25 @@ def _uniform_heads(
         full = not (cfg.sliding_layers and cfg.sliding_layers[layer])
         if kind == "k_proj" and full and att.full_values_from_keys:
             yield name.replace("k_proj", "v_proj"), value
+
+
+def _expert_stacks(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """A MoE layer's torch-layout expert stacks as ``[experts, in, out]``: the fused
+    ``gate_up_proj`` ([experts, 2 * inter, hidden], gate first) cut into ``gate_proj`` and
+    ``up_proj``, and ``down_proj``; any other tensor as it is."""
+    kind = _EXPERTS.fullmatch(name)
+    if kind is None:
+        yield name, value
+        return
+    if isinstance(value, HostPacked):
+        raise WeightLoadError(f"checkpoint key {name!r}: a quantized expert stack")
+    stack = np.swapaxes(np.asarray(value), 1, 2)
+    if kind[2] == "down_proj":
+        yield name, stack
+        return
+    gate, up = np.split(stack, 2, axis=-1)
+    yield name.replace("gate_up_proj", "gate_proj"), gate
+    yield name.replace("gate_up_proj", "up_proj"), up
 
 
 def _rows(value: Any) -> int:
@@ -212,9 +251,20 @@ def load(
 
 
 _ATTENTION = re.compile(_LAYER + r"self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight")
+_EXPERTS = re.compile(_LAYER + r"experts\.(gate_up_proj|down_proj)")
 GEMMA4_WEIGHT_RULES = (
     *GEMMA2_WEIGHT_RULES,
-    WeightRule(r"model\.layers\.(\d+)\.layer_scalar", "layer_scalar", per_layer=True),
+    WeightRule(LAYER + r"layer_scalar", "layer_scalar", per_layer=True),
+    WeightRule(LAYER + r"router\.proj\.weight", "router", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"router\.scale", "router_scale", per_layer=True),
+    WeightRule(LAYER + r"router\.per_expert_scale", "expert_scale", per_layer=True),
+    # The transposed stacks of ``_expert_stacks``.
+    WeightRule(LAYER + r"experts\.gate_proj", "e_gate", per_layer=True),
+    WeightRule(LAYER + r"experts\.up_proj", "e_up", per_layer=True),
+    WeightRule(LAYER + r"experts\.down_proj", "e_down", per_layer=True),
+    WeightRule(LAYER + r"post_feedforward_layernorm_1\.weight", "mlp_post_norm_1", per_layer=True),
+    WeightRule(LAYER + r"pre_feedforward_layernorm_2\.weight", "moe_norm", per_layer=True),
+    WeightRule(LAYER + r"post_feedforward_layernorm_2\.weight", "moe_post_norm", per_layer=True),
 )
 GEMMA4_MULTIMODAL_WEIGHT_RULES = nested_rules(
     GEMMA4_WEIGHT_RULES,

@@ -71,7 +71,14 @@ class DecoderLayer(nnx.Module):
         # Gemma 4 scales each layer's output (residual included) by a scalar of its own.
         scalar = (*lead, 1), dtype, (*layer_axes(lead), NORM), "layer_scalar"
         self.layer_scalar = declare(*scalar) if cfg.layer_scalar else None
-        if is_moe:
+        # Gemma 4: a MoE layer runs the dense MLP and the experts side by side, each with norms
+        # of its own; the router reads the residual stream.
+        beside = is_moe and cfg.moe_beside_mlp
+        self.moe = MoE(cfg.moe, lead, h, dtype, quantized) if beside else None
+        self.mlp_post_norm_1 = norm("mlp_post_norm_1") if beside else None
+        self.moe_norm = norm("moe_norm") if beside else None
+        self.moe_post_norm = norm("moe_post_norm") if beside else None
+        if is_moe and not beside:
             self.ffn = MoE(cfg.moe, lead, h, dtype, quantized)
         else:
             self.ffn = MLP(
@@ -90,11 +97,11 @@ class DecoderLayer(nnx.Module):
         h = self.attn_norm(x)
         attn, state = attend(h)
         if self.parallel_residual:
-            return self._scaled(x + attn + self._ffn(h, valid)), state
+            return self._scaled(x + attn + self._ffn(h, valid, x)), state
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = x + attn
-        out = self._ffn(self.mlp_norm(x), valid)
+        out = self._ffn(self.mlp_norm(x), valid, x)
         if self.mlp_post_norm is not None:
             out = self.mlp_post_norm(out)
         return self._scaled(x + out), state
@@ -104,7 +111,11 @@ class DecoderLayer(nnx.Module):
             return x
         return x * self.layer_scalar.get_value().astype(x.dtype)
 
-    def _ffn(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+    def _ffn(self, h: jax.Array, valid: jax.Array, residual: jax.Array) -> jax.Array:
+        if self.moe is not None:
+            dense = self.mlp_post_norm_1(self.ffn(h))
+            experts = self.moe(self.moe_norm(residual), valid, router_x=residual)
+            return dense + self.moe_post_norm(experts)
         return self.ffn(h, valid) if isinstance(self.ffn, MoE) else self.ffn(h)
 
     def paged(

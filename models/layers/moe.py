@@ -2,11 +2,14 @@
 
 One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3:
 
-1. Router logits ``x @ router`` in float32, turned into scores by softmax or sigmoid.
+1. Router logits ``x @ router`` in float32, turned into scores by softmax or sigmoid. With
+   ``router_norm`` (Gemma 4) x is first RMS-normed, scaled per feature by ``router_scale`` and
+   by hidden ** -0.5; the router may also read other inputs than the experts (``router_x``).
 2. Expert choice: ``top_k`` of the scores plus an optional per-expert bias (DeepSeek-V3's
    ``e_score_correction_bias``), optionally restricted to the ``topk_groups`` best expert groups.
 3. Expert weights: the *uncorrected* scores of the chosen experts, optionally renormalised to sum
-   to one, then multiplied by ``routed_scaling_factor``.
+   to one, then multiplied by ``routed_scaling_factor`` (and with ``expert_scale``, Gemma 4, by
+   the chosen expert's learned ``expert_scale``).
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
    (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE). With ``weighted_inputs``
    (Llama 4) the weight scales each chosen expert's input instead, and the outputs are summed.
@@ -60,6 +63,7 @@ from jax_llm_runtime.models.layers.linear import (
     expert_projection,
     projection,
 )
+from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     EXPERT_MLP,
@@ -102,6 +106,8 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
     weighted_inputs: bool = False  # experts see their token times its weight (Llama 4)
+    router_norm: NormConfig | None = None  # RMS norm (and ``router_scale``) of router inputs
+    expert_scale: bool = False  # each chosen expert's weight times its ``expert_scale``
     activation: str = "silu"
     offload: ExpertOffload | None = None  # experts kept in host memory (a runtime choice)
 
@@ -308,6 +314,14 @@ class MoE(Block):
             if cfg.has_router_bias
             else None
         )
+        norm = cfg.router_norm is not None
+        self.router_scale = (
+            declare((*lead, hidden), dtype, (*stack, EMBED), "router_scale") if norm else None
+        )
+        scaled = cfg.expert_scale
+        self.expert_scale = (
+            declare((*lead, e), dtype, (*stack, ROUTER), "expert_scale") if scaled else None
+        )
         resident, offloaded = (e, 0) if cfg.offload is None else cfg.offload.stack_sizes(e)
 
         def experts(
@@ -342,6 +356,7 @@ class MoE(Block):
         self,
         x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
         valid: jax.Array | None = None,  # [...] bool, x's leading shape: the tokens that count
+        router_x: jax.Array | None = None,  # like x: what the router reads, when not x
     ) -> jax.Array:  # [..., hidden] in x's dtype
         """The MoE block's output for every token of one layer (inside the layer scan); tokens
         never interact, so padding rows are computed like any other and are the caller's to
@@ -355,7 +370,13 @@ class MoE(Block):
         _check_shapes(cfg, hidden, shapes(self))
         tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
         bias = None if self.router_bias is None else self.router_bias.get_value()
-        experts, weights = route(cfg, tokens, self.router.get_value(), bias)
+        routed = tokens if router_x is None else router_x.reshape(-1, hidden)
+        if self.router_scale is not None:
+            routed = apply_norm(cfg.router_norm, routed, self.router_scale.get_value())
+            routed = routed * jnp.asarray(hidden**-0.5, routed.dtype)
+        experts, weights = route(cfg, routed, self.router.get_value(), bias)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.get_value().astype(jnp.float32)[experts]
         valid_tokens = None if valid is None else valid.reshape(-1)
         if cfg.weighted_inputs:
             out = self._weighted_inputs(tokens, experts, weights, valid_tokens)

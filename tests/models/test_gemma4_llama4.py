@@ -37,12 +37,13 @@ def _gemma4_config(**fields):
     )
     config = transformers.Gemma4TextConfig(**{**base, **fields})
     config.architectures = ["Gemma4ForCausalLM"]
+    config._experts_implementation = "eager"  # the per-expert loop: the plain reference
     return config
 
 
 def _randomised(hf_config, folder, seed: int = 0):
-    """A seeded random HF model whose norm weights and layer scalars are random too (HF
-    initialises them to ones), saved as safetensors."""
+    """A seeded random HF model whose norm weights, layer scalars and router scales are random
+    too (HF initialises them to ones), saved as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,7 +51,7 @@ def _randomised(hf_config, folder, seed: int = 0):
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if name.endswith(("norm.weight", "layer_scalar")):
+            if "norm" in name or name.endswith(("layer_scalar", "scale")):
                 tensor.copy_(0.5 + torch.rand_like(tensor))
     model.save_pretrained(folder, safe_serialization=True)
     return model
@@ -99,13 +100,19 @@ _ROPES = {
 }  # fmt: skip
 
 
+def test_gemma4_moe_block_beside_the_mlp(tmp_path):
+    """enable_moe_block: every layer's dense MLP and top-2 of 4 experts side by side, the router
+    on the normed, scaled residual stream, each expert's weight times its learned scale."""
+    hf = _gemma4_config(
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24
+    )
+    model = _check(hf, tmp_path)
+    assert model.config.moe_beside_mlp and model.config.segments == ((0, 3, True),)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
-    [
-        ("hidden_size_per_layer_input", 256),
-        ("num_kv_shared_layers", 1),
-        ("enable_moe_block", True),
-    ],
+    [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 1)],
 )
 def test_gemma4_unsupported_parts_are_refused(field, value):
     from jax_llm_runtime.models.registry import model_config_from_hf
