@@ -120,9 +120,8 @@ def attention(
     ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8. ``native``:
     native CPU kernels may run where this step runs (see the module docstring).
     """
-    chosen = implementation(impl, q, k_cache, v_cache, native)
-    if attention_chunk is not None:
-        chosen = "reference"
+    chunked = attention_chunk is not None  # only the reference has the chunk mask
+    chosen = "reference" if chunked else implementation(impl, q, k_cache, v_cache, native)
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -184,8 +183,7 @@ def ragged_attention(
     """Paged attention with ``reference.ragged_paged_attention``'s contract, on the native
     kernel or the reference (``ragged_implementation``); the arguments are ``attention``'s."""
     chosen = ragged_implementation(impl, q, k_cache, v_cache, page_indices.shape[0], native)
-    if attention_chunk is not None:
-        chosen = "reference"
+    chosen = "reference" if attention_chunk is not None else chosen
     chunk = {} if attention_chunk is None else {"attention_chunk": attention_chunk}
     run = (
         native_kernel.ragged_paged_attention
