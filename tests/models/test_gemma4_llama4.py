@@ -141,6 +141,29 @@ def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
     check_split(run_sharded(tmp_path, "1,2,4"))
 
 
+@pytest.mark.slow
+def test_gemma4_moe_block_with_expert_parallelism(tmp_path):
+    """The MoE block's experts split over 4 devices (expert parallelism) beside the split MLP
+    and attention: the one-device tokens."""
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
+
+    hf = _gemma4_config(
+        **{k: BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")},
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=24,
+    )
+    _randomised(hf, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    results = run_sharded(tmp_path, "1,4", {"expert_parallel": True})
+    check_split(results)
+    assert set(results["4"]["expert_bytes"]) == {results["1"]["expert_bytes"][0] // 4}
+
+
 # Llama 4: 4 layers, every 4th without rope (so layer 3 attends to everything with the query
 # temperature), the others in chunks of 8 positions; prompts of up to 22 tokens plus 16 decoded
 # cross several chunks. A floor scale of 4 makes the temperature change within the prompts.
