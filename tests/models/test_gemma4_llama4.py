@@ -1,8 +1,12 @@
-"""Gemma 4 and Llama 4 (text) against HF transformers on tiny random models (see harness.py).
+"""Gemma 4 and Llama 4 (text) against HF transformers on tiny random models (see harness.py),
+and under tensor parallelism on 4 fake CPU devices (see tests/runtime/test_tensor_parallel.py).
 
-Gemma 4: plain RMSNorm weights, v norm, attention scale 1, a scalar per layer, and full layers
-with wider heads, fewer KV heads whose values are their keys, on a proportional rope; the
-norms and layer scalars are randomised so that a mix-up shows.
+Gemma 4: plain RMSNorm weights, v norm, attention scale 1, a scalar per layer, full layers
+with wider heads and fewer KV heads whose values are their keys, on a proportional rope, and
+the MoE block beside the MLP. Llama 4: chunked attention, layers without rope with a query
+temperature, L2 q/k norm, and MoE layers (alone or alternating with dense ones) whose top
+expert sees its input times its sigmoid weight. Norm weights, layer scalars and router scales
+are randomised (HF initialises them to ones) so that a mix-up shows.
 """
 
 from __future__ import annotations
