@@ -14,8 +14,9 @@ Each weight is declared once, by the module of its layer kind (``models.layers``
 (``models.layers.params``).
 Layers are stacked: a ``Segment`` declares one ``DecoderLayer`` whose parameters lead with the
 segment's layer axis, and runs it under ``lax.scan`` (``models.layers.decoder_layer``). A model
-whose layers are not all alike (DeepSeek's dense layers before its MoE layers) has several
-segments, each scanned on its own.
+whose layers are not all alike (DeepSeek's dense layers before its MoE layers, Llama 4
+Maverick's alternating ones) has several segments, one per run of alike layers, each scanned on
+its own.
 
 The engine holds the model split (``models.state.ModelWeights``: the static graph definition
 and the state of arrays); ``forward``, ``hidden_states`` and ``lm_head`` are the pure functions
