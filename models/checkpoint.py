@@ -36,7 +36,14 @@ from jax_llm_runtime.models.layers.expert_offload import (
 from jax_llm_runtime.models.layers.linear import quantize_int8
 from jax_llm_runtime.models.layers.params import params
 from jax_llm_runtime.models.state import ModelWeights, nested
-from jax_llm_runtime.models.weights import Packing, WeightLoadError, WeightRule, load_host_weights
+from jax_llm_runtime.models.weights import (
+    LayerSlots,
+    Packing,
+    WeightLoadError,
+    WeightRule,
+    layer_slot,
+    load_host_weights,
+)
 from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
 from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
 
@@ -69,10 +76,13 @@ def load(
     return ModelWeights(nnx.graphdef(model), nested(values))
 
 
-def checkpoint_shapes(model: Decoder) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+def checkpoint_shapes(
+    model: Decoder,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, LayerSlots]]:
     """Every field's shape as the checkpoint fills it (a segment's field stacked over all the
-    layers that declare it; an expert stack with all its experts, offloaded or not), and the
-    layer each stacked field starts at."""
+    layers that declare it; an expert stack with all its experts, offloaded or not), and where
+    each stacked field's layers sit in its stack: the layer it starts at when its segments are
+    contiguous, else each declaring layer's slot (MoE layers alternating with dense ones)."""
     offload = model.cfg.moe.offload if model.cfg.moe is not None else None
     shapes: dict[str, tuple[int, ...]] = {}
     runs: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
@@ -87,13 +97,13 @@ def checkpoint_shapes(model: Decoder) -> tuple[dict[str, tuple[int, ...]], dict[
             shape = (shape[0], model.cfg.moe.num_experts, *shape[2:])
         segment = model.segments[path[1]]
         runs.setdefault(name, []).append((segment.start, segment.end, shape))
-    first: dict[str, int] = {}
+    first: dict[str, LayerSlots] = {}
     for name, parts in runs.items():
         parts.sort()
-        if any(end != start for (_, end, _), (start, _, _) in itertools.pairwise(parts)):
-            raise ValueError(f"field {name!r} is declared by segments that are not contiguous")
-        first[name] = parts[0][0]
-        shapes[name] = (parts[-1][1] - parts[0][0], *parts[0][2][1:])
+        layers = [layer for start, end, _ in parts for layer in range(start, end)]
+        contiguous = all(end == start for (_, end, _), (start, _, _) in itertools.pairwise(parts))
+        first[name] = parts[0][0] if contiguous else {layer: i for i, layer in enumerate(layers)}
+        shapes[name] = (len(layers), *parts[0][2][1:])
     return shapes, first
 
 
@@ -101,7 +111,7 @@ def _fill(
     cfg: DecoderConfig,
     model: Decoder,
     host: dict[str, np.ndarray | HostPacked],
-    first_layer: dict[str, int],
+    first_layer: dict[str, LayerSlots],
     head: dict[str, HostPacked],
 ) -> list[tuple[Path, Any]]:
     """Every declared parameter's path with its value on the device. Each host array is dropped once
@@ -139,13 +149,13 @@ def _segment_part(
     model: Decoder,
     index: int,
     name: str,
-    array: np.ndarray | HostPacked,  # [layers from first, ...]
-    first: int,
+    array: np.ndarray | HostPacked,  # [the field's layers, ...]
+    first: LayerSlots,
 ) -> Any:
     """Segment ``index``'s layers of a stacked host field; an offloaded expert stack as its
     (resident, offloaded) stacks."""
     segment = model.segments[index]
-    lo, n = segment.start - first, segment.end - segment.start
+    lo, n = layer_slot(first, segment.start), segment.end - segment.start
     rows = (array.codes if isinstance(array, HostPacked) else array).shape[0]
     part = array if lo == 0 and n == rows else array[lo : lo + n]
     offload = cfg.moe.offload if cfg.moe is not None else None

@@ -14,8 +14,9 @@ Each weight is declared once, by the module of its layer kind (``models.layers``
 (``models.layers.params``).
 Layers are stacked: a ``Segment`` declares one ``DecoderLayer`` whose parameters lead with the
 segment's layer axis, and runs it under ``lax.scan`` (``models.layers.decoder_layer``). A model
-whose layers are not all alike (DeepSeek's dense layers before its MoE layers) has several
-segments, each scanned on its own.
+whose layers are not all alike (DeepSeek's dense layers before its MoE layers, Llama 4
+Maverick's alternating ones) has several segments, one per run of alike layers, each scanned on
+its own.
 
 The engine holds the model split (``models.state.ModelWeights``: the static graph definition
 and the state of arrays); ``forward``, ``hidden_states`` and ``lm_head`` are the pure functions
@@ -63,8 +64,9 @@ class DecoderConfig:
     """Static description of one model. ``sliding_layers`` is empty (no layer slides) or one flag
     per layer; sliding layers use ``attention.sliding_window`` and, when set,
     ``attention.local_rope``. ``attention`` is multi-head latent attention (DeepSeek) when it is
-    an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on replace the MLP with
-    mixture-of-experts; the layers before keep the dense MLP of ``intermediate_size``."""
+    an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on (or, when set, the layers
+    flagged in ``moe_layers``, which may alternate with dense ones: Llama 4 Maverick) replace
+    the MLP with mixture-of-experts; the others keep the dense MLP of ``intermediate_size``."""
 
     vocab_size: int
     hidden_size: int
@@ -82,9 +84,16 @@ class DecoderConfig:
     embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
     final_soft_cap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     lm_head_bias: bool = False
+    layer_scalar: bool = False  # each layer's output scaled by its ``layer_scalar`` (Gemma 4)
+    # One flag per layer, or empty for none (Llama 4): layers that attend within chunks of
+    # ``attention.attention_chunk`` positions, and layers without rope.
+    chunked_layers: tuple[bool, ...] = ()
+    nope_layers: tuple[bool, ...] = ()
     sliding_layers: tuple[bool, ...] = ()
     moe: MoEConfig | None = None
     first_moe_layer: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    moe_beside_mlp: bool = False  # MoE layers keep the dense MLP too, beside the experts (Gemma 4)
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
@@ -97,10 +106,14 @@ class DecoderConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_activation(self.activation)
-        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
-            raise ValueError(
-                f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers"
-            )
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers needs a moe config")
+        for name in ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers"):
+            flags = getattr(self, name)
+            if flags and len(flags) != self.num_layers:
+                raise ValueError(f"{len(flags)} {name} flags for {self.num_layers} layers")
+        if any(self.chunked_layers) and getattr(self.attention, "attention_chunk", None) is None:
+            raise ValueError("chunked layers need an attention_chunk")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
@@ -143,8 +156,14 @@ class DecoderConfig:
         """``(start, end, is_moe)`` runs of alike layers, each scanned separately."""
         if self.moe is None:
             return ((0, self.num_layers, False),)
-        runs = ((0, self.first_moe_layer, False), (self.first_moe_layer, self.num_layers, True))
-        return tuple(run for run in runs if run[1] > run[0])
+        flags = self.moe_layers or tuple(i >= self.first_moe_layer for i in range(self.num_layers))
+        runs: list[tuple[int, int, bool]] = []
+        for i, is_moe in enumerate(flags):
+            if runs and runs[-1][2] == is_moe:
+                runs[-1] = (runs[-1][0], i + 1, is_moe)
+            else:
+                runs.append((i, i + 1, is_moe))
+        return tuple(runs)
 
 
 QUANTIZATIONS = (None, "int8", *ISQ_TYPES)

@@ -12,10 +12,12 @@ import numpy as np
 from jax_llm_runtime.models import checkpoint, decoder
 from jax_llm_runtime.models.families import (
     gemma,
+    gemma4,
     glm4,
     glm4_moe,
     gpt_oss,
     llama,
+    llama4,
     minimax_m2,
     mistral,
     moe_models,
@@ -69,6 +71,18 @@ _SPECS = {
     spec.hf_architecture: spec
     for spec in (
         _decoder("LlamaForCausalLM", llama.llama_config_from_hf, llama.WEIGHT_RULES),
+        _decoder(
+            "Llama4ForCausalLM",
+            llama4.llama4_config_from_hf,
+            llama4.LLAMA4_WEIGHT_RULES,
+            llama4.load,
+        ),
+        _decoder(
+            "Llama4ForConditionalGeneration",
+            llama4.llama4_config_from_hf,
+            llama4.LLAMA4_MULTIMODAL_WEIGHT_RULES,
+            llama4.load,
+        ),
         _decoder("MistralForCausalLM", mistral.mistral_config_from_hf, llama.WEIGHT_RULES),
         _decoder("MinistralForCausalLM", mistral.ministral_config_from_hf, llama.WEIGHT_RULES),
         _decoder("Ministral3ForCausalLM", mistral.ministral3_config_from_hf, llama.WEIGHT_RULES),
@@ -86,6 +100,18 @@ _SPECS = {
             "Gemma3ForConditionalGeneration",
             gemma.gemma3_config_from_hf,
             gemma.GEMMA3_MULTIMODAL_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Gemma4ForCausalLM",
+            gemma4.gemma4_config_from_hf,
+            gemma4.GEMMA4_WEIGHT_RULES,
+            gemma4.load,
+        ),
+        _decoder(
+            "Gemma4ForConditionalGeneration",
+            gemma4.gemma4_config_from_hf,
+            gemma4.GEMMA4_MULTIMODAL_WEIGHT_RULES,
+            gemma4.load,
         ),
         _decoder("PhiForCausalLM", phi.phi2_config_from_hf, phi.PHI2_WEIGHT_RULES),
         _decoder("Phi3ForCausalLM", phi.phi3_config_from_hf, phi.PHI3_WEIGHT_RULES),

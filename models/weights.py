@@ -61,11 +61,23 @@ def load_weights(
     tensors: Iterable[tuple[str, np.ndarray]],
     dtype: jnp.dtype,
     num_tensors: int | None = None,
-    first_layer: Mapping[str, int] | None = None,
+    first_layer: Mapping[str, LayerSlots] | None = None,
 ) -> dict[str, jax.Array]:
     """Fill every field of ``shapes`` from ``tensors``; return device arrays of ``dtype``."""
     host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer)
     return {name: jnp.asarray(array) for name, array in host.items()}
+
+
+# Where a stacked field's layers sit in its stack: the layer it starts at (its layers are
+# contiguous), or each layer's slot (they are not: MoE layers alternating with dense ones).
+LayerSlots = int | Mapping[int, int]
+
+
+def layer_slot(first: LayerSlots, layer: int) -> int:
+    """Layer ``layer``'s slot in a stack (-1, out of range, for a layer that has no slot)."""
+    if isinstance(first, Mapping):
+        return first.get(layer, -1)
+    return layer - first
 
 
 @dataclass(frozen=True)
@@ -88,14 +100,15 @@ def load_host_weights(
     tensors: Iterable[tuple[str, np.ndarray | HostPacked]],
     dtype: jnp.dtype,
     num_tensors: int | None = None,
-    first_layer: Mapping[str, int] | None = None,
+    first_layer: Mapping[str, LayerSlots] | None = None,
     packing: Packing = Packing(),
 ) -> dict[str, np.ndarray | HostPacked]:
     """Like ``load_weights`` but returns host (numpy) arrays, and ``HostPacked`` for the fields
     that ``packing`` keeps packed.
 
     ``first_layer[field]`` is the layer a stacked field starts at: a field that exists only for
-    layers k.. (DeepSeek's experts after its dense layers) has a leading axis of n - k.
+    layers k.. (DeepSeek's experts after its dense layers) has a leading axis of n - k. It may
+    instead map each layer that has the field to its slot (``layer_slot``).
     """
     host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
     packed: dict[str, dict[tuple[int, ...], HostPacked]] = {name: {} for name in packing.fields}
@@ -106,6 +119,8 @@ def load_host_weights(
         tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False
     ):
         rule, match = _find_rule(rules, key)
+        if not rule.fields:
+            continue  # a name the architecture ignores (a vision tower, a cached rope table)
         for field in rule.fields:
             if field not in host:
                 raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {field!r}")
@@ -115,7 +130,7 @@ def load_host_weights(
             index: tuple[int, ...] = ()
             if rule.per_layer:
                 index = tuple(int(g) for g in match.groups())
-                index = (index[0] - offsets.get(field, 0), *index[1:])
+                index = (layer_slot(offsets.get(field, 0), index[0]), *index[1:])
                 depth[field] = len(index)
             if isinstance(piece, HostPacked):
                 _check_index(key, shapes[field], index)

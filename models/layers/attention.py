@@ -8,6 +8,11 @@ and without it (plain causal attention over the given tokens, for embeddings and
 Gemma-3, Phi-2, StableLM 2): over each head, or over all heads of q and of k at once with
 ``qk_norm_all_heads`` (MiniMax-M2); ``sinks`` (one logit per query head that joins the softmax
 denominator) when ``sinks`` is set (gpt-oss).
+
+Layers whose heads are narrower than others (Gemma 4: ``AttentionConfig.head_dims``) hold
+them zero-padded to the widest head: the padding features are zero in q, k and v, so they add
+nothing to a score and come out as zeros that the output projection's zero rows drop, and every
+layer shares one cache shape. Only the norms over a head need its real width.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers.linear import projection
-from jax_llm_runtime.models.layers.norms import Norm, NormConfig
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig, apply_norm
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     HEAD_DIM,
@@ -55,6 +60,17 @@ class AttentionConfig:
     1 + beta * log(1 + floor(position / length)) (Mistral 3's long-context temperature).
     ``sinks``: each query head has a learned logit that joins its softmax denominator and
     attends to nothing (gpt-oss); only the jnp reference kernels take them.
+    ``head_dims`` = (sliding, full) are the layers' real head widths when they differ (Gemma 4);
+    ``head_dim`` is then the wider, and the narrower layers' heads are zero-padded to it.
+    ``v_norm`` norms each head of v (an RMS norm without weight, Gemma 4).
+    ``attention_chunk`` is the chunk of the layers that attend within fixed chunks of positions
+    (which ones is per layer, see ``LayerMeta``; Llama 4). ``qk_l2_norm`` norms each head of q
+    and k after rope (an RMS norm without weight) on the layers that rotate, and
+    ``query_temperature`` = (beta, length) multiplies queries by
+    1 + beta * log(1 + floor((position + 1) / length)) on the layers that do not (Llama 4).
+    ``full_values_from_keys``: full-attention layers have no value projection and take their
+    keys' before the norm and rope (Gemma 4's attention_k_eq_v); their checkpoint ``wk`` fills
+    ``wv`` too (``models.families.gemma4``), so the computation is the usual one.
     """
 
     num_heads: int
@@ -73,6 +89,12 @@ class AttentionConfig:
     softmax_scale: float | None = None
     position_query_scale: tuple[float, int] | None = None
     sinks: bool = False
+    head_dims: tuple[int, int] | None = None
+    v_norm: NormConfig | None = None
+    full_values_from_keys: bool = False
+    attention_chunk: int | None = None
+    qk_l2_norm: NormConfig | None = None
+    query_temperature: tuple[float, int] | None = None
     # The cache-free path (``causal_self_attention``) rounds K and V to this dtype, as a paged run
     # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
     round_kv_to: str | None = None
@@ -85,10 +107,14 @@ class AttentionConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.attention_chunk is not None and self.attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
         if self.soft_cap is not None and not self.soft_cap > 0:
             raise ValueError(f"attention soft-cap must be > 0, got {self.soft_cap}")
         if self.qk_norm_all_heads and (self.qk_norm is None or self.qk_norm_per_head):
             raise ValueError("qk_norm_all_heads needs qk_norm, with no weight per head")
+        if self.head_dims is not None and max(self.head_dims) != self.head_dim:
+            raise ValueError(f"head_dim {self.head_dim} is not the wider of {self.head_dims}")
         if self.rope.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary dim {self.rope.rotary_dim} is larger than head_dim {self.head_dim}"
@@ -106,6 +132,10 @@ class LayerMeta:
     index: jax.Array  # [] int32, the layer's slot in the KV cache
     window: jax.Array  # [] int32, sliding window of this layer (huge for full attention)
     local: jax.Array  # [] bool, whether this layer uses ``local_rope``
+    # [] int32, this layer's attention chunk (huge for layers that see everything); None when
+    # no layer of the model is chunked
+    chunk: jax.Array | None = None
+    rotates: jax.Array | None = None  # [] bool, whether this layer has rope; None: all have
 
 
 FULL_WINDOW = 2**30  # a "window" no sequence reaches: the layer attends to everything
@@ -114,6 +144,11 @@ FULL_WINDOW = 2**30  # a "window" no sequence reaches: the layer attends to ever
 def layer_window(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
     """The traced window of this layer, or None when no layer of the model slides."""
     return None if cfg.sliding_window is None else meta.window
+
+
+def layer_chunk(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
+    """The traced attention chunk of this layer, or None when no layer of the model is chunked."""
+    return None if cfg.attention_chunk is None else meta.chunk
 
 
 def project_qkv(
@@ -132,14 +167,41 @@ def project_qkv(
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = layer.wv(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    width = head_width(cfg, meta)
     if normed and not cfg.qk_norm_all_heads:
-        q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = layer.q_norm(q, width), layer.k_norm(k, width)
+    if cfg.v_norm is not None:
+        v = apply_norm(cfg.v_norm, v, jnp.ones((), jnp.float32), dim=width)
     q, k = _rotate(cfg, q, k, positions, meta)
+    if cfg.qk_l2_norm is not None:
+        q, k = _l2_normed(cfg.qk_l2_norm, q, meta), _l2_normed(cfg.qk_l2_norm, k, meta)
+    if cfg.query_temperature is not None:
+        beta, length = cfg.query_temperature
+        factor = 1 + beta * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1) / length))
+        if meta.rotates is not None:
+            factor = jnp.where(meta.rotates, 1.0, factor)
+        q = (q * factor[..., None, None]).astype(q.dtype)
     if cfg.position_query_scale is not None:
         beta, length = cfg.position_query_scale
         factor = 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))
         q = (q * factor[..., None, None]).astype(q.dtype)
     return q, k, v
+
+
+def head_width(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
+    """This layer's real head width (traced) where layers' widths differ, else None."""
+    if cfg.head_dims is None:
+        return None
+    return jnp.where(meta.local, *cfg.head_dims).astype(jnp.int32)
+
+
+def _l2_normed(
+    cfg: NormConfig,
+    x: jax.Array,  # [..., heads, head_dim]
+    meta: LayerMeta,
+) -> jax.Array:  # like x: normed on the layers that rotate
+    normed = apply_norm(cfg, x, jnp.ones((), jnp.float32))
+    return normed if meta.rotates is None else jnp.where(meta.rotates, normed, x)
 
 
 def _rotate(
@@ -150,6 +212,8 @@ def _rotate(
     meta: LayerMeta,
 ) -> tuple[jax.Array, jax.Array]:
     q_rot, k_rot = apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope)
+    if meta.rotates is not None:
+        q_rot, k_rot = jnp.where(meta.rotates, q_rot, q), jnp.where(meta.rotates, k_rot, k)
     if cfg.local_rope is None:
         return q_rot, k_rot
     q_loc, k_loc = (
@@ -192,6 +256,7 @@ def paged_self_attention(
         soft_cap=cfg.soft_cap,
         native=native,
         sinks=None if layer.sinks is None else layer.sinks.get_value(),
+        attention_chunk=layer_chunk(cfg, meta),
     )
     return output_projection(layer, out), cache
 
@@ -221,6 +286,7 @@ def step_attention(
     native: bool = False,
     reference: bool = False,
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
+    attention_chunk: jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Paged attention of a step's query rows, in the layout its shape says (static):
 
@@ -237,6 +303,8 @@ def step_attention(
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
         v_scales=v_scales, sinks=sinks,
     )  # fmt: skip
+    if attention_chunk is not None:
+        kw["attention_chunk"] = attention_chunk
     extra = {} if reference else {"native": native}
     if num_seqs == 1 or batch.decode_rows:
         rows = (None, slice(None)) if num_seqs == 1 else (slice(None), None)
@@ -284,6 +352,9 @@ def causal_self_attention(
     window = layer_window(cfg, meta)
     if window is not None:
         mask &= idx[:, None] - idx[None, :] < window
+    chunk = layer_chunk(cfg, meta)
+    if chunk is not None:
+        mask &= idx[None, :] >= (idx - idx % chunk)[:, None]
     mask = mask[None] & (idx < lengths[:, None])[:, None, :]  # [num_seqs, q, s]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     sinks = None if layer.sinks is None else layer.sinks.get_value()

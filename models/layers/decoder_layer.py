@@ -19,7 +19,7 @@ from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
 from jax_llm_runtime.models.layers.mlp import MLP
 from jax_llm_runtime.models.layers.moe import MoE
 from jax_llm_runtime.models.layers.norms import Norm
-from jax_llm_runtime.models.layers.params import EMBED, layer_axes
+from jax_llm_runtime.models.layers.params import EMBED, NORM, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
@@ -31,10 +31,17 @@ def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
     """Stacked per-layer facts for layers ``start:end``."""
     sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
     window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
+    chunked = np.asarray(cfg.chunked_layers or (False,) * cfg.num_layers)[start:end]
+    chunk = getattr(cfg.attention, "attention_chunk", None) or FULL_WINDOW
+    rotates = None if not cfg.nope_layers else ~np.asarray(cfg.nope_layers)[start:end]
     return LayerMeta(
         index=jnp.arange(start, end, dtype=jnp.int32),
         window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
         local=jnp.asarray(sliding),
+        chunk=jnp.asarray(np.where(chunked, chunk, FULL_WINDOW), jnp.int32)
+        if cfg.chunked_layers
+        else None,
+        rotates=None if rotates is None else jnp.asarray(rotates),
     )
 
 
@@ -61,7 +68,17 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = None if cfg.parallel_residual else norm("mlp_norm")
         self.attn_post_norm = norm("attn_post_norm") if cfg.sandwich_norms else None
         self.mlp_post_norm = norm("mlp_post_norm") if cfg.sandwich_norms else None
-        if is_moe:
+        # Gemma 4 scales each layer's output (residual included) by a scalar of its own.
+        scalar = (*lead, 1), dtype, (*layer_axes(lead), NORM), "layer_scalar"
+        self.layer_scalar = declare(*scalar) if cfg.layer_scalar else None
+        # Gemma 4: a MoE layer runs the dense MLP and the experts side by side, each with norms
+        # of its own; the router reads the residual stream.
+        beside = is_moe and cfg.moe_beside_mlp
+        self.moe = MoE(cfg.moe, lead, h, dtype, quantized) if beside else None
+        self.mlp_post_norm_1 = norm("mlp_post_norm_1") if beside else None
+        self.moe_norm = norm("moe_norm") if beside else None
+        self.moe_post_norm = norm("moe_post_norm") if beside else None
+        if is_moe and not beside:
             self.ffn = MoE(cfg.moe, lead, h, dtype, quantized)
         else:
             self.ffn = MLP(
@@ -80,16 +97,25 @@ class DecoderLayer(nnx.Module):
         h = self.attn_norm(x)
         attn, state = attend(h)
         if self.parallel_residual:
-            return x + attn + self._ffn(h, valid), state
+            return self._scaled(x + attn + self._ffn(h, valid, x)), state
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = x + attn
-        out = self._ffn(self.mlp_norm(x), valid)
+        out = self._ffn(self.mlp_norm(x), valid, x)
         if self.mlp_post_norm is not None:
             out = self.mlp_post_norm(out)
-        return x + out, state
+        return self._scaled(x + out), state
 
-    def _ffn(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+    def _scaled(self, x: jax.Array) -> jax.Array:
+        if self.layer_scalar is None:
+            return x
+        return x * self.layer_scalar.get_value().astype(x.dtype)
+
+    def _ffn(self, h: jax.Array, valid: jax.Array, residual: jax.Array) -> jax.Array:
+        if self.moe is not None:
+            dense = self.mlp_post_norm_1(self.ffn(h))
+            experts = self.moe(self.moe_norm(residual), valid, router_x=residual)
+            return dense + self.moe_post_norm(experts)
         return self.ffn(h, valid) if isinstance(self.ffn, MoE) else self.ffn(h)
 
     def paged(

@@ -2,13 +2,17 @@
 
 One config covers the routers of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3:
 
-1. Router logits ``x @ router`` in float32, turned into scores by softmax or sigmoid.
+1. Router logits ``x @ router`` in float32, turned into scores by softmax or sigmoid. With
+   ``router_norm`` (Gemma 4) x is first RMS-normed, scaled per feature by ``router_scale`` and
+   by hidden ** -0.5; the router may also read other inputs than the experts (``router_x``).
 2. Expert choice: ``top_k`` of the scores plus an optional per-expert bias (DeepSeek-V3's
    ``e_score_correction_bias``), optionally restricted to the ``topk_groups`` best expert groups.
 3. Expert weights: the *uncorrected* scores of the chosen experts, optionally renormalised to sum
-   to one, then multiplied by ``routed_scaling_factor``.
+   to one, then multiplied by ``routed_scaling_factor`` (and with ``expert_scale``, Gemma 4, by
+   the chosen expert's learned ``expert_scale``).
 4. Output: the weighted sum of the chosen experts' gated MLPs, plus an optional shared expert
-   (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE).
+   (optionally scaled by ``sigmoid(x @ s_router)``, Qwen2-MoE). With ``weighted_inputs``
+   (Llama 4) the weight scales each chosen expert's input instead, and the outputs are summed.
 
 gpt-oss adds a bias to the router logits (``router_b``: it shifts the choice and the weights),
 biases to every expert projection (``e_gate_b``, ``e_up_b``, ``e_down_b``) and a clamped
@@ -64,6 +68,7 @@ from jax_llm_runtime.models.layers.linear import (
     expert_projection,
     projection,
 )
+from jax_llm_runtime.models.layers.norms import NormConfig, apply_norm
 from jax_llm_runtime.models.layers.params import (
     EMBED,
     EXPERT_MLP,
@@ -105,6 +110,9 @@ class MoEConfig:
     has_router_bias: bool = False  # ``router_bias`` shifts the choice, never the weights
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False  # scale the shared expert by sigmoid(x @ s_router)
+    weighted_inputs: bool = False  # experts see their token times its weight (Llama 4)
+    router_norm: NormConfig | None = None  # RMS norm (and ``router_scale``) of router inputs
+    expert_scale: bool = False  # each chosen expert's weight times its ``expert_scale``
     activation: str = "silu"
     offload: ExpertOffload | None = None  # experts kept in host memory (a runtime choice)
     router_logit_bias: bool = False  # ``router_b`` added to the router logits (gpt-oss)
@@ -348,6 +356,14 @@ class MoE(Block):
             if cfg.router_logit_bias
             else None
         )
+        norm = cfg.router_norm is not None
+        self.router_scale = (
+            declare((*lead, hidden), dtype, (*stack, EMBED), "router_scale") if norm else None
+        )
+        scaled = cfg.expert_scale
+        self.expert_scale = (
+            declare((*lead, e), dtype, (*stack, ROUTER), "expert_scale") if scaled else None
+        )
         resident, offloaded = (e, 0) if cfg.offload is None else cfg.offload.stack_sizes(e)
 
         def experts(
@@ -383,6 +399,7 @@ class MoE(Block):
         self,
         x: jax.Array,  # [..., hidden], e.g. [num_seqs, q_len, hidden]
         valid: jax.Array | None = None,  # [...] bool, x's leading shape: the tokens that count
+        router_x: jax.Array | None = None,  # like x: what the router reads, when not x
     ) -> jax.Array:  # [..., hidden] in x's dtype
         """The MoE block's output for every token of one layer (inside the layer scan); tokens
         never interact, so padding rows are computed like any other and are the caller's to
@@ -396,11 +413,20 @@ class MoE(Block):
         _check_shapes(cfg, hidden, shapes(self))
         tokens = x.reshape(-1, hidden)  # [num_tokens, hidden]
         bias = None if self.router_bias is None else self.router_bias.get_value()
+        routed = tokens if router_x is None else router_x.reshape(-1, hidden)
+        if self.router_scale is not None:
+            routed = apply_norm(cfg.router_norm, routed, self.router_scale.get_value())
+            routed = routed * jnp.asarray(hidden**-0.5, routed.dtype)
         logit_bias = None if self.router_b is None else self.router_b.get_value()
-        experts, weights = route(cfg, tokens, self.router.get_value(), bias, logit_bias)
+        experts, weights = route(cfg, routed, self.router.get_value(), bias, logit_bias)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.get_value().astype(jnp.float32)[experts]
         valid_tokens = None if valid is None else valid.reshape(-1)
-        per_slot = self._routed_experts(tokens, experts, valid_tokens)
-        out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
+        if cfg.weighted_inputs:
+            out = self._weighted_inputs(tokens, experts, weights, valid_tokens)
+        else:
+            per_slot = self._routed_experts(tokens, experts, valid_tokens)
+            out = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights)
         if self.s_gate is not None and self.s_up is not None and self.s_down is not None:
             act = _ACTIVATIONS[cfg.activation]
             shared = self.s_down(act(self.s_gate(tokens)) * self.s_up(tokens))
@@ -409,6 +435,22 @@ class MoE(Block):
                 shared = shared * jax.nn.sigmoid(self.s_router(tokens).astype(jnp.float32))
             out = out + shared
         return out.astype(x.dtype).reshape(x.shape)
+
+    def _weighted_inputs(
+        self,
+        tokens: jax.Array,  # [num_tokens, hidden]
+        experts: jax.Array,  # [num_tokens, top_k] int32
+        weights: jax.Array,  # [num_tokens, top_k] float32
+        valid: jax.Array | None,  # [num_tokens] bool
+    ) -> jax.Array:  # [num_tokens, hidden] float32
+        """The sum over slots of each chosen expert run on its token times the slot's weight:
+        every (token, slot) is a row of its own, routed to its one expert."""
+        num_tokens, top_k = experts.shape
+        rows = tokens[:, None, :] * weights[..., None].astype(tokens.dtype)
+        rows = rows.reshape(num_tokens * top_k, -1)  # [num_tokens * top_k, hidden]
+        row_valid = None if valid is None else jnp.repeat(valid, top_k)
+        out = self._routed_experts(rows, experts.reshape(-1, 1), row_valid)
+        return out.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(axis=1)
 
     def _routed_experts(
         self,
@@ -420,7 +462,7 @@ class MoE(Block):
         offloaded one. The mechanism follows the full expert count either way, so offloading
         changes where weights live, not the arithmetic."""
         cfg = self.cfg
-        grouped = tokens.shape[0] * cfg.top_k > cfg.num_experts
+        grouped = experts.size > cfg.num_experts
         run = partial(experts_grouped if grouped else experts_gathered, combine=glu(cfg))
         resident = (self.e_gate, self.e_up, self.e_down)
         if cfg.offload is None:

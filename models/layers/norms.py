@@ -39,8 +39,10 @@ def apply_norm(
     x: jax.Array,  # [..., dim]
     weight: jax.Array,  # [dim] (or any shape broadcasting against x's trailing axes)
     bias: jax.Array | None = None,  # like weight; LayerNorm only
+    dim: jax.Array | None = None,  # [] (traced): x's real width, its features past it being zero
 ) -> jax.Array:  # like x
-    """Normalise over the last axis in float32; the result has x's dtype."""
+    """Normalise over the last axis in float32; the result has x's dtype. With ``dim``, an RMS
+    norm's mean is over the first ``dim`` features (a head zero-padded to a wider one)."""
     xf = x.astype(jnp.float32)
     w = weight.astype(jnp.float32)
     if cfg.kind == "layer":
@@ -49,7 +51,10 @@ def apply_norm(
         if bias is not None:
             out = out + bias.astype(jnp.float32)
         return out.astype(x.dtype)
-    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + cfg.eps)
+    mean_square = row_mean(xf * xf)
+    if dim is not None:
+        mean_square = mean_square * (x.shape[-1] / dim.astype(jnp.float32))
+    xf = xf * jax.lax.rsqrt(mean_square + cfg.eps)
     return (xf * (1.0 + w if cfg.kind == "rms_one" else w)).astype(x.dtype)
 
 
@@ -91,6 +96,10 @@ class Norm(Block):
         with_bias = bias and cfg.kind == "layer"
         self.bias = declare(shape, dtype, axes, field + "_b") if with_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim] -> like x
+    def __call__(
+        self,
+        x: jax.Array,  # [..., dim]
+        width: jax.Array | None = None,  # [] int32: x's real width (``apply_norm``'s dim)
+    ) -> jax.Array:  # like x
         bias = None if self.bias is None else self.bias.get_value()
-        return apply_norm(self.cfg, x, self.weight.get_value(), bias)
+        return apply_norm(self.cfg, x, self.weight.get_value(), bias, width)

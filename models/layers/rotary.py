@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_llm_runtime.models.layers import rope_scaling
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # Older checkpoints name a few kinds differently; they map onto a supported kind unchanged.
 LEGACY_ROPE_TYPES = {"su": "longrope"}
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
@@ -42,6 +42,9 @@ class RopeConfig:
       table per forward pass from the longest sequence; a paged engine needs every token's rotation
       fixed once its key is cached, so the choice here is per position. The two agree whenever the
       whole sequence fits in the original context.
+    - "proportional" (Gemma 4's global layers): the default frequencies of the whole
+      ``rotary_dim``, of which only the first ``rotated_fraction`` of the pairs turn (the rest
+      have frequency zero), each divided by ``factor``.
 
     ``attention_factor`` multiplies cos and sin (yarn and longrope only); ``None`` means the
     kind's default, see ``attention_scale``. Factor lists must be tuples (lists are converted).
@@ -62,6 +65,7 @@ class RopeConfig:
     attention_factor: float | None = None
     freq_factors: tuple[float, ...] | None = None
     interleaved: bool = False
+    rotated_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in _FACTOR_LISTS:
@@ -79,6 +83,10 @@ class RopeConfig:
             )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if not 0 < self.rotated_fraction <= 1:
+            raise ValueError(f"rotated_fraction must be in (0, 1], got {self.rotated_fraction}")
+        if self.rotated_fraction != 1 and self.rope_type != "proportional":
+            raise ValueError(f"rotated_fraction applies to proportional rope, not {self.rope_type}")
         self._check_scaling_params()
         self._check_factor_lists()
 
@@ -147,6 +155,10 @@ class RopeConfig:
                 self.original_max_position_embeddings,
                 self.truncate,
             )
+        if self.rope_type == "proportional":
+            turning = int(self.rotated_fraction * self.rotary_dim // 2)
+            base[turning:] = 0.0
+            return (base / self.factor).astype(np.float32)
         if self.rope_type == "longrope":
             factors = self.long_factor if long_context else self.short_factor
             return rope_scaling.divided_inv_freq(base, factors)
@@ -216,6 +228,12 @@ def rope_from_hf(hf: dict[str, Any], rotary_dim: int) -> RopeConfig:
             short_factor=params.get("short_factor"),
             long_factor=params.get("long_factor"),
             attention_factor=params.get("attention_factor"),
+        )
+    if rope_type == "proportional":
+        return RopeConfig(
+            **common,
+            factor=float(params.get("factor", 1.0)),
+            rotated_fraction=float(params.get("partial_rotary_factor", 1.0)),
         )
     return RopeConfig(
         **common,

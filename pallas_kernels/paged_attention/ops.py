@@ -29,6 +29,10 @@ sequence, else "prefill".
 Attention sinks (``sinks``, gpt-oss) run on the reference only: neither the Pallas nor the native
 kernel takes them, so ``impl="pallas"`` or ``"native"`` with sinks raises, and the automatic and
 measured choices pick the reference.
+
+A call with an ``attention_chunk`` (Llama 4's chunked layers) runs the reference whatever
+``impl`` says: neither the Pallas nor the native kernel has that mask. The layers of a model
+are scanned as one, so a model with chunked layers runs all its attention on the reference.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ def attention(
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
+    attention_chunk: int | jax.Array | None = None,
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
@@ -152,7 +157,12 @@ def attention(
     ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8. ``native``:
     native CPU kernels may run where this step runs (see the module docstring).
     """
-    chosen = implementation(impl, q, k_cache, v_cache, native, sinks is not None)
+    chunked = attention_chunk is not None  # only the reference has the chunk mask
+    chosen = (
+        "reference"
+        if chunked
+        else implementation(impl, q, k_cache, v_cache, native, sinks is not None)
+    )
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -172,6 +182,8 @@ def attention(
             interpret=jax.default_backend() == "cpu",
         )
     extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
+    if attention_chunk is not None:
+        extra["attention_chunk"] = attention_chunk
     out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
         q, k_cache, v_cache, layer, positions, page_indices, kv_lens, scale=scale * k_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
@@ -198,14 +210,19 @@ def ragged_attention(
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
+    attention_chunk: int | jax.Array | None = None,
     impl: str = "auto",
     native: bool = False,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """Paged attention with ``reference.ragged_paged_attention``'s contract, on the TPU kernel,
-    the native kernel or the reference (``ragged_implementation``); the arguments are
-    ``attention``'s."""
+    the native kernel or the reference (``ragged_implementation``; a chunked call always on the
+    reference); the arguments are ``attention``'s."""
     num_seqs, has_sinks = page_indices.shape[0], sinks is not None
     chosen = ragged_implementation(impl, q, k_cache, v_cache, num_seqs, native, has_sinks)
+    chosen = "reference" if attention_chunk is not None else chosen
+    extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
+    if attention_chunk is not None:
+        extra["attention_chunk"] = attention_chunk
     run = {
         "pallas": functools.partial(
             tpu.ragged_paged_attention, interpret=jax.default_backend() == "cpu"
@@ -226,6 +243,6 @@ def ragged_attention(
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
-        **({} if sinks is None else {"sinks": sinks}),  # only the reference takes sinks
+        **extra,
     )
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)

@@ -126,11 +126,13 @@ def paged_attention(
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
+    attention_chunk: int | jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Causal attention of each query token over its own sequence's paged K/V.
 
-    Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p`` and,
-    with a sliding window ``w``, ``t > p - w``. Computation is in float32. With ``k_scales`` and
+    Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p``,
+    with a sliding window ``w``, ``t > p - w``, and with an attention chunk ``c`` (Llama 4),
+    ``t // c == p // c``: positions attend within their fixed chunk only. Computation is in float32. With ``k_scales`` and
     ``v_scales`` (a float8 cache, see ``KVCache``) row ``r`` of K is ``k_cache[r] * k_scales[r]``,
     and likewise for V; scales of masked rows are never used, so they may be NaN. With ``sinks``
     each head's softmax denominator also counts ``exp(sinks[h])`` (see the module docstring).
@@ -158,6 +160,8 @@ def paged_attention(
     visible = in_range[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
     if sliding_window is not None:
         visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+    if attention_chunk is not None:
+        visible &= key_pos[None, None, :] >= chunk_start(positions, attention_chunk)[:, :, None]
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = softmax_with_sinks(scores, sinks)
     out = jnp.einsum("skgqt,stkd->sqkgd", probs, v)
@@ -195,15 +199,26 @@ def sequence_ids(
     return jnp.clip(seq, 0, num_seqs - 1), valid
 
 
+def chunk_start(
+    positions: jax.Array,  # [...] int32
+    attention_chunk: int | jax.Array,  # [] int32
+) -> jax.Array:  # [...] int32
+    """The first position of each position's attention chunk."""
+    return positions - positions % attention_chunk
+
+
 def sees_a_key(
     positions: jax.Array,  # [num_tokens] int32
     kv_lens: jax.Array,  # [num_tokens] int32, the row's sequence's (0 for padding)
     sliding_window: int | jax.Array | None,
+    attention_chunk: int | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens] bool
-    """Whether a row's visible key range ``[max(0, p - w + 1), min(kv_len, p + 1))`` is not
-    empty."""
+    """Whether a row's visible key range ``[max(0, p - w + 1, chunk start), min(kv_len, p + 1))``
+    is not empty."""
     hi = jnp.minimum(kv_lens, positions + 1)
     lo = 0 if sliding_window is None else jnp.maximum(0, positions - sliding_window + 1)
+    if attention_chunk is not None:
+        lo = jnp.maximum(lo, chunk_start(positions, attention_chunk))
     return hi > lo
 
 
@@ -229,6 +244,7 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
+    attention_chunk: int | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """``paged_attention`` over a flat run of query rows mixing several sequences.
 
@@ -236,7 +252,7 @@ def ragged_paged_attention(
     owns rows ``q_starts[s]:q_starts[s + 1]`` (a decode row, a prefill chunk, or none), and rows
     outside ``[q_starts[0], q_starts[num_seqs])`` are padding. Each row sees the keys
     ``paged_attention`` gives its position in its own sequence (``t < kv_lens[s]``, ``t <= p``,
-    ``t > p - w`` with a window), so a chunk is causal within itself and sees its cached pages.
+    ``t > p - w`` with a window, ``t // c == p // c`` with an attention chunk), so a chunk is causal within itself and sees its cached pages.
     Padding rows and rows that see no key return zeros (as the native and Pallas kernels do).
 
     Each row runs as its own one-token sequence of ``paged_attention``, ``ROW_BLOCK`` rows per
@@ -260,10 +276,11 @@ def ragged_paged_attention(
             q_b[:, None], k_cache, v_cache, layer, pos_b[:, None], pages_b, lens_b,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
             k_scales=k_scales, v_scales=v_scales, sinks=sinks,
+            attention_chunk=attention_chunk,
         )  # fmt: skip
         return out[:, 0]
 
     blocks = [_row_blocks(x, ROW_BLOCK) for x in (q, positions, page_indices[seq], lens)]
     out = jax.lax.map(attend, tuple(blocks)).reshape(-1, *q.shape[1:])[:num_tokens]
-    seen = sees_a_key(positions, lens, sliding_window)
+    seen = sees_a_key(positions, lens, sliding_window, attention_chunk)
     return jnp.where(seen[:, None, None], out, 0).astype(q.dtype)
