@@ -26,6 +26,7 @@ from jax_llm_runtime.pallas_kernels import cpu_choice
 from jax_llm_runtime.pallas_kernels.dequant_matmul import ops as dequant_ops
 from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PackedWeight
 from jax_llm_runtime.pallas_kernels.paged_attention import ops as attention_ops
+from jax_llm_runtime.pallas_kernels.paged_attention import self_check as tpu_check
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def choose_kernels(
             continue
         ok, why = (True, "forced") if want == "pallas" else (False, "forced")
         if want == "auto":
-            ok, why = self_check(kernel, model_config, weights, kv_dtype)
+            ok, why = self_check(kernel, model_config, weights, kv_dtype, backend)
             if not ok:
                 logger.warning(
                     "%s: the Pallas kernel is not used (%s); the reference serves", kernel, why
@@ -90,9 +91,16 @@ def _enable(ops: Any, backend: str, on: bool) -> None:
     ops.KERNEL_BACKENDS = (*others, backend) if on else others
 
 
-def self_check(kernel: str, model_config: Any, weights: Any, kv_dtype: Any) -> tuple[bool, str]:
+def self_check(
+    kernel: str, model_config: Any, weights: Any, kv_dtype: Any, backend: str | None = None
+) -> tuple[bool, str]:
     """Run ``kernel``'s Pallas implementation once on a small case shaped like the model and
-    compare it with the reference: (agrees, why not). Never raises for the kernel's sake."""
+    compare it with the reference: (agrees, why not). Never raises for the kernel's sake. On TPU
+    attention is the ragged TPU kernel, which takes every step layout there
+    (``models.layers.attention.step_attention``), checked by ``self_check.check_tpu_kernel``."""
+    backend = backend or jax.default_backend()
+    if kernel == "attention" and backend == "tpu":
+        return _tpu_attention_check(model_config, kv_dtype)
     try:
         if kernel == "attention":
             got, want = _attention_case(model_config, kv_dtype)
@@ -109,6 +117,24 @@ def self_check(kernel: str, model_config: Any, weights: Any, kv_dtype: Any) -> t
     if not np.allclose(got, want, atol=ATOL, rtol=RTOL):
         return False, f"differs from the reference by up to {np.max(np.abs(got - want)):.3g}"
     return True, "matches the reference"
+
+
+def _tpu_attention_check(model_config: Any, kv_dtype: Any) -> tuple[bool, str]:
+    """The TPU ragged kernel on the served model's heads and cache dtype (one small bucket)."""
+    attention = model_config.attention
+    if not hasattr(attention, "num_kv_heads"):
+        return False, "multi-head latent attention runs the reference"
+    served = tpu_check.Served(
+        cache_shape=(1, 16, 16, attention.num_kv_heads, attention.head_dim),
+        cache_dtype=kv_dtype,
+        num_heads=attention.num_heads,
+        q_dtype=jnp.float32,
+        scale=attention.head_dim**-0.5,
+        sliding_window=attention.sliding_window,
+        soft_cap=getattr(attention, "soft_cap", None),
+    )
+    result = tpu_check.check_tpu_kernel(served, [tpu_check.Bucket(32, 4, 4)])
+    return result.ok, result.reason[:300]
 
 
 def _attention_case(model_config: Any, kv_dtype: Any) -> tuple[jax.Array, jax.Array]:

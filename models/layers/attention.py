@@ -46,6 +46,7 @@ from jax_llm_runtime.pallas_kernels.paged_attention import (
     ragged_paged_attention,
     write_cache_ragged,
 )
+from jax_llm_runtime.pallas_kernels.paged_attention.ops import ragged_implementation
 from jax_llm_runtime.pallas_kernels.paged_attention.reference import softmax_with_sinks
 
 
@@ -306,7 +307,12 @@ def step_attention(
     if attention_chunk is not None:
         kw["attention_chunk"] = attention_chunk
     extra = {} if reference else {"native": native}
-    if num_seqs == 1 or batch.decode_rows:
+    # The TPU kernel takes the ragged layout only, and every step's rows fit it.
+    ragged_only = not reference and (
+        ragged_implementation("auto", q, k_cache, v_cache, num_seqs, native, sinks is not None)
+        == "pallas"
+    )
+    if (num_seqs == 1 or batch.decode_rows) and not ragged_only:
         rows = (None, slice(None)) if num_seqs == 1 else (slice(None), None)
         padded = paged_attention if reference else attention
         out = padded(

@@ -94,3 +94,19 @@ def test_on_cpu_reference_turns_the_native_kernel_off_and_pallas_is_refused(weig
     assert cpu_choice.native_wins("paged_attention", "decode")
     with pytest.raises(ValueError, match="--attention-backend pallas runs on GPU and TPU"):
         selection.choose_kernels(CONFIG, weights, jnp.float32, {"attention": "pallas"}, "cpu")
+
+
+def test_on_tpu_attention_is_checked_on_the_ragged_tpu_kernel(weights, monkeypatch):
+    # The TPU check runs the ragged kernel (interpreted here) on the model's heads; once it
+    # passes, "auto" on TPU takes the ragged kernel for every step layout.
+    calls = []
+    real = selection.tpu_check.check_tpu_kernel
+
+    def interpreted(served, buckets):
+        calls.append((served.num_heads, served.cache_shape[3:]))
+        return real(served, buckets, interpret=True)
+
+    monkeypatch.setattr(selection.tpu_check, "check_tpu_kernel", interpreted)
+    ok, why = selection.self_check("attention", CONFIG, weights, jnp.float32, backend="tpu")
+    assert ok, why
+    assert calls == [(4, (2, 16))]
