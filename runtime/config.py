@@ -24,6 +24,10 @@ UNCHUNKED_PREFILL = 1 << 30
 # long prompt see gaps within twice their median; 256 made them 6.5x (BENCHMARKS.md, "Mixed
 # batches"). A lone prompt's chunks cost about the same per token either way.
 CPU_BATCHED_TOKENS = 64
+# ... and of a step with no decode rows (a lone prompt, the first steps of a burst), which no
+# stream waits on: a lone 512-token prompt's first token took 438 ms in chunks of 64 and 290 in
+# chunks of 256 (BENCHMARKS.md, "Mixed batches").
+CPU_PREFILL_ONLY_TOKENS = 256
 # The KV cache on CPU when --kvcache-mem is not given: host memory is shared with everything
 # else, so it is a fixed size rather than a share of what is free.
 CPU_KVCACHE_MB = 1024
@@ -155,6 +159,13 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def prefill_only_tokens(self, backend: str, max_model_len: int) -> int:
+        """The token budget of a step with no decode rows: ``max_num_batched_tokens`` when given,
+        else ``CPU_PREFILL_ONLY_TOKENS`` on CPU and the step budget elsewhere."""
+        if self.max_num_batched_tokens or backend != "cpu":
+            return self.batched_tokens(backend, max_model_len)
+        return max(CPU_PREFILL_ONLY_TOKENS, self.batched_tokens(backend, max_model_len))
 
     def batched_tokens(self, backend: str, max_model_len: int) -> int:
         """The step's token budget on ``backend`` for a context of ``max_model_len`` (see the

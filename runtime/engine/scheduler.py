@@ -3,7 +3,8 @@
 Sequences join the running set between steps and leave it when they finish. A step is mixed:
 every running sequence that decodes adds its next token, and prefill chunks of the sequences
 still prefilling, then of waiting ones (oldest first, while the running set has room), fill
-the step up to ``max_num_batched_tokens`` tokens (each chunk at most ``prefill_chunk_size``;
+the step up to ``max_num_batched_tokens`` tokens (``prefill_only_tokens`` when no sequence
+decodes, so that no stream waits on it; each chunk at most ``prefill_chunk_size``;
 the last one cut so that the step fills a token bucket). So a long prompt delays running
 streams by one budget's worth of work per step, and a burst of short prompts is prefilled
 together. When nothing prefills, a decode step generates ``decode_steps`` tokens per sequence
@@ -82,6 +83,7 @@ class Scheduler:
         mixed: bool = True,
         multi_step_seqs: int | None = None,
         prefix_cost: int | None = None,
+        prefill_only_tokens: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -90,6 +92,8 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         # The most tokens one step runs (default: one chunk besides every decode).
         self.max_num_batched_tokens = max_num_batched_tokens or prefill_chunk_size + max_num_seqs
+        # The budget of a step with no decode rows, where no stream waits on it (default: the same).
+        self.prefill_only_tokens = prefill_only_tokens or self.max_num_batched_tokens
         self.mixed = mixed
         self._last_kind: StepKind | None = None  # alternating steps only
         self.decode_steps = decode_steps
@@ -138,7 +142,8 @@ class Scheduler:
         prefill_waits = self._prefill_waits()
         steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
         items = self._decode_items(decodes, steps)
-        chunks = self._prefill_chunks(len(items)) if prefill_waits else ()
+        budget = self.max_num_batched_tokens if items else self.prefill_only_tokens
+        chunks = self._prefill_chunks(len(items), budget=budget) if prefill_waits else ()
         if chunks:
             return ScheduledBatch(StepKind.PREFILL, items + chunks)
         if not items:
@@ -151,7 +156,8 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_pending == 1]
         prefill_waits = self._prefill_waits()
         if prefill_waits and (not decodes or self._last_kind is not StepKind.PREFILL):
-            chunks = self._prefill_chunks(0, limit=1)
+            budget = self.max_num_batched_tokens if decodes else self.prefill_only_tokens
+            chunks = self._prefill_chunks(0, limit=1, budget=budget)
             if chunks:
                 self._last_kind = StepKind.PREFILL
                 return ScheduledBatch(StepKind.PREFILL, chunks)
@@ -262,17 +268,20 @@ class Scheduler:
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
 
-    def _prefill_chunks(self, used: int, limit: int | None = None) -> tuple[ScheduledSeq, ...]:
+    def _prefill_chunks(
+        self, used: int, limit: int | None = None, budget: int | None = None
+    ) -> tuple[ScheduledSeq, ...]:
         """Prefill chunks (at most ``limit``) for a step that already runs ``used`` decode
         tokens: sequences mid-prefill first, then waiting ones in order while the running set
-        has room, until the token budget is spent or a chunk's pages cannot be allocated."""
+        has room, until the token budget (``budget``, default ``max_num_batched_tokens``) is
+        spent or a chunk's pages cannot be allocated."""
         chunks: list[ScheduledSeq] = []
         mid = [s for s in self.running if s.num_pending > 1]
         cost = used  # the budget spent: decode rows, and chunks with their prefixes' attention
         for seq in mid + list(self.waiting):
             if limit is not None and len(chunks) == limit:
                 break
-            room = self.max_num_batched_tokens - cost
+            room = (budget or self.max_num_batched_tokens) - cost
             if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
                 break
             chunk = self._prefill_chunk(seq, room)

@@ -187,13 +187,14 @@ def _build_replica(
     if mesh is not None:
         cache_shardings = cache_sharding(abstract_cache, mesh)
     budget = config.batched_tokens(jax.default_backend(), max_model_len)
+    prefill_only = config.prefill_only_tokens(jax.default_backend(), max_model_len)
     mixed = mixed_steps(model_config, abstract_cache, dtype)
     plan = BucketPlan.build(
         config.max_num_seqs,
         max_model_len,
         config.prefill_chunk_size,
         config.page_size,
-        budget,
+        max(budget, prefill_only),
         mixed=mixed,
     )
     decode_steps, multi_step_seqs = config.decode_steps, None
@@ -224,6 +225,7 @@ def _build_replica(
         prefill_lens=plan.prefill_lens,
         prefix_cache=config.prefix_cache,
         max_num_batched_tokens=budget,
+        prefill_only_tokens=prefill_only,
         mixed=mixed,
         multi_step_seqs=multi_step_seqs,
         prefix_cost=prefix_cost_positions(

@@ -463,3 +463,21 @@ def test_prefix_cost_of_smollm2():
     )
     assert prefix_cost_positions(config) == 4275
     assert prefix_cost_positions(config, attention_flop_cost=4.0) == 1069
+
+
+def test_a_step_no_stream_waits_on_takes_the_prefill_only_budget():
+    # Budget 12 while sequences decode, 32 for a step without decode rows: a lone prompt runs
+    # in chunks of 32; once one sequence decodes, the next prompt's chunks leave room for it.
+    sched = Scheduler(
+        PageAllocator(64, 4), 4, 256, 256, [EOS], max_num_batched_tokens=12,
+        prefill_only_tokens=32, prefix_cache=False,
+    )  # fmt: skip
+    a, b = seq(40, max_tokens=20), seq(40, max_tokens=20)
+    sched.add(a)
+    first = sched.schedule()
+    assert [(i.seq, i.length) for i in first.items] == [(a, 32)]
+    run(sched, first)
+    run(sched, sched.schedule())  # a's last 8 tokens: a decodes from here
+    sched.add(b)
+    step = sched.schedule()
+    assert [(i.seq, i.length) for i in step.items] == [(a, 1), (b, 11)]
