@@ -33,7 +33,9 @@ class DataParallelEngine:
         self.replicas = replicas
         first = replicas[0]
         self.model_name = first.model_name
-        self.kernel_choices = first.kernel_choices  # every replica chose on the same kind of device
+        # Every replica chose on the same kind of device (none is reported for a replica
+        # without kernels).
+        self.kernel_choices = dict(getattr(first, "kernel_choices", {}))
         self.max_model_len = first.max_model_len
         self.tokenizer = first.tokenizer
         self.compile_done = threading.Event()

@@ -142,7 +142,7 @@ def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
     )
     _randomised(hf, tmp_path)
     save_byte_tokenizer(tmp_path)
-    check_split(run_sharded(tmp_path, "1,2,4"))
+    check_split(run_sharded(tmp_path, "1,4"))
 
 
 @pytest.mark.slow

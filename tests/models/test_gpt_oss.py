@@ -250,7 +250,7 @@ def test_gpt_oss_over_2_and_4_devices(tmp_path: Path) -> None:
 
     save_gpt_oss(sharded_config(), tmp_path)
     save_byte_tokenizer(tmp_path)
-    replicated = run_sharded(tmp_path, "1,2,4")
+    replicated = run_sharded(tmp_path, "1,4")
     assert replicated["4"]["tokens"] == replicated["1"]["tokens"]
     split = run_sharded(tmp_path, "1,2,4", {"expert_parallel": True})
     check_split(split)

@@ -225,7 +225,7 @@ def test_glm4_moe_lite_tensor_and_expert_parallel(tmp_path: Path) -> None:
     # A 35-token prompt takes two chunks, so decode reads latents of earlier steps. The query
     # heads split; the latent cache and the low-rank projections stay whole on every device.
     extra = {"prefill_chunk_size": 32, "expert_parallel": True}
-    results = run_sharded(tmp_path, "1,2,4", extra)
+    results = run_sharded(tmp_path, "1,4", extra)
     single = results["1"]
     check_mla_split(single, results, ("wq_b", "wkv_b", "wo"))
     for size, result in results.items():

@@ -74,6 +74,8 @@ def test_embedding_between_steps_leaves_generation_unchanged_and_compiles_nothin
         vectors = [(await engine.embed([list(range(1, n))], "mean"))[0] for n in (5, 40, 300, 512)]
         return await tokens_task, vectors
 
+    # Warm-up ends when the step shapes compiled in the background after start are done.
+    assert engine.compile_done.wait(timeout=600)
     alone = asyncio.run(generate())
     compiles: list[str] = []
 
