@@ -38,6 +38,7 @@ are scanned as one, so a model with chunked layers runs all its attention on the
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 
@@ -157,12 +158,9 @@ def attention(
     ``k_scales`` and ``v_scales`` are the per-row scales of a ``KVCache`` in float8. ``native``:
     native CPU kernels may run where this step runs (see the module docstring).
     """
-    chunked = attention_chunk is not None  # only the reference has the chunk mask
-    chosen = (
-        "reference"
-        if chunked
-        else implementation(impl, q, k_cache, v_cache, native, sinks is not None)
-    )
+    chosen = implementation(impl, q, k_cache, v_cache, native, sinks is not None)
+    extra = _reference_only(sinks, attention_chunk)
+    chosen = "reference" if attention_chunk is not None else chosen  # the chunk mask: reference
     if chosen == "pallas":
         return kernel.paged_attention(
             q,
@@ -181,15 +179,19 @@ def attention(
             v_scales=v_scales,
             interpret=jax.default_backend() == "cpu",
         )
-    extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
-    if attention_chunk is not None:
-        extra["attention_chunk"] = attention_chunk
     out = (native_kernel.paged_attention if chosen == "native" else reference.paged_attention)(
         q, k_cache, v_cache, layer, positions, page_indices, kv_lens, scale=scale * k_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
         **extra,
     )  # fmt: skip
     return out if isinstance(v_scale, float) and v_scale == 1.0 else (out * v_scale).astype(q.dtype)
+
+
+def _reference_only(sinks: jax.Array | None, attention_chunk: Any) -> dict[str, Any]:
+    """The arguments only the references take (attention sinks, Llama 4's chunk mask), as
+    keywords for the call where they are set."""
+    given = (("sinks", sinks), ("attention_chunk", attention_chunk))
+    return {name: value for name, value in given if value is not None}
 
 
 def ragged_attention(
@@ -219,10 +221,8 @@ def ragged_attention(
     reference); the arguments are ``attention``'s."""
     num_seqs, has_sinks = page_indices.shape[0], sinks is not None
     chosen = ragged_implementation(impl, q, k_cache, v_cache, num_seqs, native, has_sinks)
-    chosen = "reference" if attention_chunk is not None else chosen
-    extra = {} if sinks is None else {"sinks": sinks}  # only the reference takes sinks
-    if attention_chunk is not None:
-        extra["attention_chunk"] = attention_chunk
+    chosen = "reference" if attention_chunk is not None else chosen  # the chunk mask: reference
+    extra = _reference_only(sinks, attention_chunk)
     run = {
         "pallas": functools.partial(
             tpu.ragged_paged_attention, interpret=jax.default_backend() == "cpu"

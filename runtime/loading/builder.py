@@ -168,40 +168,24 @@ def _build_replica(
     if mesh is not None:
         model_config, weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     kernels = choose_kernels(
         model_config,
         weights,
-        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype),
+        kv_dtype,
         {"attention": config.attention_backend, "dequant_matmul": config.matmul_backend},
     )
-
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    replica_devices = list(mesh.devices.flat) if mesh is not None else [_device(devices)]
-    cache_mb = config.kvcache_mem_mb or auto_kvcache_mb(
-        replica_devices, config.gpu_memory_utilization
+    num_pages, max_model_len = _size_cache(
+        config, model_config, kv_dtype, _cache_mb(config, mesh, devices)
     )
-    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None
     abstract_cache = _abstract_cache(k_shape, kv_dtype, v_shape)
     if mesh is not None:
         cache_shardings = cache_sharding(abstract_cache, mesh)
-    budget = config.batched_tokens(jax.default_backend(), max_model_len)
-    prefill_only = config.prefill_only_tokens(jax.default_backend(), max_model_len)
     mixed = mixed_steps(model_config, abstract_cache, dtype)
-    plan = BucketPlan.build(
-        config.max_num_seqs,
-        max_model_len,
-        config.prefill_chunk_size,
-        config.page_size,
-        max(budget, prefill_only),
-        mixed=mixed,
-    )
-    decode_steps, multi_step_seqs = config.decode_steps, None
-    if not decode_steps:  # auto: see CPU_DECODE_STEPS
-        on_cpu = jax.default_backend() == "cpu"
-        decode_steps = CPU_DECODE_STEPS if on_cpu else 8
-        multi_step_seqs = CPU_MULTI_STEP_SEQS if on_cpu else None
+    plan, budget, prefill_only = _plan(config, max_model_len, mixed)
+    decode_steps, multi_step_seqs = _decode_steps(config)
     runner = ModelRunner(
         spec,
         model_config,
@@ -213,25 +197,10 @@ def _build_replica(
         cache_sharding=cache_shardings,
         multi_step_seqs=multi_step_seqs,
     )
-    allocator = PageAllocator(num_pages, config.page_size)
-    allocator.track_fresh = config.debug_fill_freed_pages
-    scheduler = Scheduler(
-        allocator,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        prefill_chunk_size=config.prefill_chunk_size,
-        eos_token_ids=tokenizer.eos_token_ids,
-        decode_steps=decode_steps,
-        prefill_lens=plan.prefill_lens,
-        prefix_cache=config.prefix_cache,
-        max_num_batched_tokens=budget,
-        prefill_only_tokens=prefill_only,
-        mixed=mixed,
-        multi_step_seqs=multi_step_seqs,
-        prefix_cost=prefix_cost_positions(
-            model_config, CPU_ATTENTION_FLOP_COST if jax.default_backend() == "cpu" else 1.0
-        ),
-    )
+    scheduler = _scheduler(
+        config, model_config, tokenizer, plan, num_pages, max_model_len, mixed,
+        (budget, prefill_only), (decode_steps, multi_step_seqs),
+    )  # fmt: skip
     name = config.served_model_name or files.name
     embedder = None
     if spec.hidden_states is not None:
@@ -250,6 +219,65 @@ def _build_replica(
     return engine
 
 
+def _plan(config: EngineConfig, max_model_len: int, mixed: bool) -> tuple[BucketPlan, int, int]:
+    """The compiled buckets, and the step's token budget with and without decode rows (the
+    buckets cover the larger)."""
+    budget = config.batched_tokens(jax.default_backend(), max_model_len)
+    prefill_only = config.prefill_only_tokens(jax.default_backend(), max_model_len)
+    plan = BucketPlan.build(
+        config.max_num_seqs,
+        max_model_len,
+        config.prefill_chunk_size,
+        config.page_size,
+        max(budget, prefill_only),
+        mixed=mixed,
+    )
+    return plan, budget, prefill_only
+
+
+def _decode_steps(config: EngineConfig) -> tuple[int, int | None]:
+    """(tokens per decode call, the most decoding sequences that take several per call; None:
+    any): ``--decode-steps`` as given, or auto (see ``CPU_DECODE_STEPS``)."""
+    if config.decode_steps:
+        return config.decode_steps, None
+    if jax.default_backend() == "cpu":
+        return CPU_DECODE_STEPS, CPU_MULTI_STEP_SEQS
+    return 8, None
+
+
+def _scheduler(
+    config: EngineConfig,
+    model_config: Any,
+    tokenizer: Tokenizer,
+    plan: BucketPlan,
+    num_pages: int,
+    max_model_len: int,
+    mixed: bool,
+    budgets: tuple[int, int],
+    decode: tuple[int, int | None],
+) -> Scheduler:
+    """The replica's scheduler over a fresh page allocator: ``budgets`` are the step's token
+    budget with and without decode rows, ``decode`` the multi-step settings."""
+    allocator = PageAllocator(num_pages, config.page_size)
+    allocator.track_fresh = config.debug_fill_freed_pages
+    cost = CPU_ATTENTION_FLOP_COST if jax.default_backend() == "cpu" else 1.0
+    return Scheduler(
+        allocator,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_chunk_size=config.prefill_chunk_size,
+        eos_token_ids=tokenizer.eos_token_ids,
+        decode_steps=decode[0],
+        prefill_lens=plan.prefill_lens,
+        prefix_cache=config.prefix_cache,
+        max_num_batched_tokens=budgets[0],
+        prefill_only_tokens=budgets[1],
+        mixed=mixed,
+        multi_step_seqs=decode[1],
+        prefix_cost=prefix_cost_positions(model_config, cost),
+    )
+
+
 def place_on_mesh(
     mesh: Any, model_config: Any, weights: Any, expert_parallel: bool
 ) -> tuple[Any, Any]:
@@ -265,9 +293,13 @@ def place_on_mesh(
     return model_config, weights
 
 
-def _device(devices: Sequence[int] | None) -> Any:
-    """The one device of a replica without a mesh."""
-    return jax.devices()[devices[0] if devices else 0]
+def _cache_mb(config: EngineConfig, mesh: Any, devices: Sequence[int] | None) -> int:
+    """MB for the replica's KV cache: ``--kvcache-mem``, or what its devices leave
+    (``cache_size.auto_kvcache_mb``); a replica without a mesh has one device."""
+    if config.kvcache_mem_mb:
+        return config.kvcache_mem_mb
+    replica = list(mesh.devices.flat) if mesh is not None else [jax.devices()[(devices or [0])[0]]]
+    return auto_kvcache_mb(replica, config.gpu_memory_utilization)
 
 
 def _size_cache(
