@@ -191,7 +191,7 @@ def part_kernels(args: argparse.Namespace) -> dict:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=args.part_timeout,
+        timeout=max(5.0, min(args.part_timeout, _remaining(args) - 5)),
         env=_env(),
     )
     counts = {
@@ -254,6 +254,7 @@ def part_greedy_tokens(args: argparse.Namespace) -> dict:
     try:
         return {
             "backend": jax.default_backend(),
+            "kernels": dict(engine.kernel_choices),
             "tokens": [r["tokens"] for r in _generate(engine, PROMPTS, GREEDY_TOKENS, "greedy")],
         }
     finally:
@@ -268,13 +269,15 @@ def part_greedy(args: argparse.Namespace) -> dict:
         extra=["--folder", str(folder), "--shape", args.shape_small, "--dtype", "float32"],
     )
     out: dict[str, Any] = {"model": f"{args.shape_small} shape, random float32 weights"}
-    runs = {"cpu": ("cpu", None), "device_highest": (None, "highest"), "device_default": (None, "")}
+    runs = {"cpu": ("cpu", None), "device_highest": (None, "highest")}
+    if not args.quick:
+        runs["device_default"] = (None, "")
     for name, (platform, precision) in runs.items():
         extra = ["--folder", str(folder), "--precision", precision or ""]
         out[name] = _child("greedy_tokens", args, extra=extra, platform=platform)
     cpu = out["cpu"].get("tokens")
     for name in ("device_highest", "device_default"):
-        tokens = out[name].get("tokens")
+        tokens = out.get(name, {}).get("tokens")
         if cpu and tokens:
             out[f"{name}_equal"] = tokens == cpu
             out[f"{name}_first_difference"] = [
@@ -299,11 +302,12 @@ def part_throughput(args: argparse.Namespace) -> dict:
 def part_throughput_run(args: argparse.Namespace) -> dict:
     """Single-stream decode speed through the engine (a child process)."""
     out: dict[str, Any] = {}
-    for steps in (0, 8):
+    for steps in (0,) if args.quick else (0, 8):
         engine = _engine(args.folder, dtype="bfloat16", max_num_seqs=1, decode_steps=steps)
         t0 = time.perf_counter()
         engine.compile_done.wait(args.part_timeout / 2)  # no compile beside the timed decode
         out[f"compile_wait_s(decode_steps={steps})"] = round(time.perf_counter() - t0, 1)
+        out["kernels"] = dict(engine.kernel_choices)
         try:
             _generate(engine, [PROMPTS[0]], 16, "warm")
             run = _generate(engine, [PROMPTS[0]], THROUGHPUT_TOKENS, "tput")[0]
@@ -321,27 +325,20 @@ def part_throughput_run(args: argparse.Namespace) -> dict:
 
 def part_step(args: argparse.Namespace) -> dict:
     folder = args.work / "llama3-8b-shape-bf16"
-    _child(
+    made = _child(
         "make",
         args,
-        extra=[
-            "--folder",
-            str(folder),
-            "--shape",
-            args.shape_large,
-            "--dtype",
-            "bfloat16",
-            "--layers",
-            str(args.layers),
-        ],
+        extra=["--folder", str(folder), "--shape", args.shape_large, "--dtype", "bfloat16"],
     )
+    if "error" in made:
+        return {"error": "making the model: " + made["error"], "tail": made.get("tail")}
     config = json.loads((folder / "config.json").read_text())
     out: dict[str, Any] = {
         "model": f"{args.shape_large} shape, {config['num_hidden_layers']} of its layers, random "
         "bfloat16 weights",
         "context": args.context,
+        "traces": [],
     }
-    weight_bytes = _bytes_read_per_step(folder, config)
     kv_per_position = (
         config["num_hidden_layers"]
         * 2
@@ -349,44 +346,17 @@ def part_step(args: argparse.Namespace) -> dict:
         * (config["hidden_size"] // config["num_attention_heads"])
         * 2
     )
-    formats = args.step_formats.split(",")
-    for pallas in (False, True):  # one process per kernel choice: the model loads once in each
-        suffix = "+pallas" if pallas else ""
-        command = [
-            sys.executable,
-            str(REPO / "tools" / "bench_decode_step.py"),
-            "--model-id",
-            str(folder),
-            "--formats",
-            ",".join(formats),
-            "--dtype",
-            "bfloat16",
-            "--num-seqs",
-            args.num_seqs,
-            "--context",
-            str(args.context),
-            "--rounds",
-            "5",
-            "--native",
-            "off",
-            *(["--pallas"] if pallas else []),
-        ]
-        try:
-            result = subprocess.run(
-                command,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=args.part_timeout,
-                env=_env(),
-            )
-        except subprocess.TimeoutExpired:
-            for fmt in formats:
-                out[fmt + suffix] = {"error": f"timed out after {args.part_timeout} s"}
+    weight_bytes = _bytes_read_per_step(folder, config)
+    for fmt, pallas, num_seqs in _step_runs(args):  # one process each, most wanted first
+        label = fmt + ("+pallas" if pallas else "")
+        timeout = min(args.part_timeout, _remaining(args) - 10)
+        if timeout < 30:
+            out[label] = {"error": "skipped: the check's deadline"}
             continue
-        rows: dict[str, dict] = {fmt: {} for fmt in formats}
-        for num, fmt, best, median in re.findall(
-            r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", result.stdout
+        stdout, error = _bench_step(args, folder, fmt, pallas, num_seqs, timeout)
+        rows: dict[int, dict] = {}
+        for num, _, best, median in re.findall(
+            r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", stdout
         ):
             n = int(num)
             row = {"best_ms": float(best), "median_ms": float(median)}
@@ -396,10 +366,66 @@ def part_step(args: argparse.Namespace) -> dict:
                 row["bandwidth_GBps"] = round(read / (float(best) / 1e3) / 1e9, 1)
                 if args.peak:
                     row["mbu"] = round(read / (float(best) / 1e3) / args.peak, 3)
-            rows.setdefault(fmt, {})[n] = row
-        for fmt, by_n in rows.items():
-            out[fmt + suffix] = by_n or {"error": (result.stdout + result.stderr)[-3000:]}
+            rows[n] = row
+        out[label] = rows or {"error": error or stdout[-3000:]}
+        out["traces"] += [
+            {**json.loads(line[len("TRACE ") :]), "run": label}
+            for line in stdout.splitlines()
+            if line.startswith("TRACE ")
+        ]
     return out
+
+
+def _step_runs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(format, Pallas kernels forced, batch sizes) of the step part's benchmark processes: the
+    Pallas kernels first (never measured inside a step yet), then the reference for the ratio."""
+    formats = args.step_formats.split(",")
+    first = args.num_seqs.split(",")[0]
+    runs = [("float", True, args.num_seqs), ("float", False, args.num_seqs)]
+    for fmt in (f for f in formats if f != "float"):
+        runs += [(fmt, True, first), (fmt, False, first)]
+    return [r for r in runs if r[0] in formats]
+
+
+def _bench_step(
+    args: argparse.Namespace, folder: Path, fmt: str, pallas: bool, num_seqs: str, timeout: float
+) -> tuple[str, str]:
+    """``tools/bench_decode_step.py`` in a process: (its stdout, an error or "")."""
+    command = [
+        sys.executable,
+        str(REPO / "tools" / "bench_decode_step.py"),
+        "--model-id",
+        str(folder),
+        "--formats",
+        fmt,
+        "--dtype",
+        "bfloat16",
+        "--num-seqs",
+        num_seqs,
+        "--context",
+        str(args.context),
+        "--rounds",
+        "5",
+        "--native",
+        "off",
+        "--trace",
+        str(args.work / "traces"),
+        *(["--pallas"] if pallas else []),
+    ]
+    try:
+        result = subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env()
+        )
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return stdout, f"timed out after {timeout:.0f} s"
+    error = "" if result.returncode == 0 else (result.stdout + result.stderr)[-3000:]
+    return result.stdout, error
+
+
+def _remaining(args: argparse.Namespace) -> float:
+    """Seconds left of ``--deadline`` (counted from the check's start)."""
+    return args.deadline - (time.monotonic() - args.started)
 
 
 def part_roofline(args: argparse.Namespace) -> dict:
@@ -511,8 +537,8 @@ def _child(
         str(args.context),
         *extra,
     ]
-    if args.tiny:
-        command.append("--tiny")
+    command += ["--tiny"] * args.tiny + ["--quick"] * args.quick
+    timeout = max(5.0, min(args.part_timeout, _remaining(args) - 5))
     t0 = time.perf_counter()
     try:
         result = subprocess.run(
@@ -520,12 +546,12 @@ def _child(
             cwd=REPO,
             capture_output=True,
             text=True,
-            timeout=args.part_timeout,
+            timeout=timeout,
             env=_env(platform),
         )
     except subprocess.TimeoutExpired as exc:
         tail = ((exc.stdout or b"") + (exc.stderr or b""))[-3000:]
-        return {"error": f"timed out after {args.part_timeout} s", "tail": str(tail)}
+        return {"error": f"timed out after {timeout:.0f} s", "tail": str(tail)}
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
         return {
@@ -548,6 +574,12 @@ def _markdown(results: dict) -> str:
         f" at the default precision: {greedy.get('device_default_equal')}"
         f" (first differences {greedy.get('device_default_first_difference')})"
     ]
+    for part in ("greedy", "throughput"):
+        chosen = results.get(part, {}).get("kernels") or results.get(part, {}).get(
+            "device_highest", {}
+        ).get("kernels")
+        if chosen:
+            lines.append(f"- Kernels the engine chose ({part}): {chosen}")
     tput = results.get("throughput", {})
     for key, row in tput.items():
         if key.startswith("decode_steps") and isinstance(row, dict):
@@ -579,6 +611,16 @@ def _markdown(results: dict) -> str:
                     )
             elif isinstance(rows, dict) and "error" in rows:
                 lines.append(f"| {fmt} | error: {rows['error'][:200]!r} | | | | |")
+    for trace in step.get("traces", []):
+        lines += [
+            "",
+            f"Device time of `{trace['step']}` ({trace.get('run')}): {trace['total_us']} us a call",
+            "",
+        ]
+        lines += [
+            f"- {us} us ({share:.0%}, {n}x) {name[:100]}"
+            for name, us, n, share in trace["kernels"][:8]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -592,7 +634,20 @@ def main() -> int:
     parser.add_argument("--num-seqs", default="1,64")
     parser.add_argument("--step-formats", default="float,q4_0")
     parser.add_argument("--part-timeout", type=int, default=240)
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=3600,
+        help="seconds for the whole check: a part that would start with under 30 s left is "
+        "skipped, and each process's timeout is cut to what is left",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: test the tool on a CPU")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer runs: greedy tokens at the highest precision only, throughput with the "
+        "default --decode-steps only",
+    )
     # Internal: one part in a child process.
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -601,6 +656,7 @@ def main() -> int:
     parser.add_argument("--precision", default="", help=argparse.SUPPRESS)
     parser.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.started = time.monotonic()
     shapes = {"smollm2-135m": SMOLLM2, "llama-3-8b": LLAMA3_8B, "tiny": TINY}
     args.shape_small = "tiny" if args.tiny else "smollm2-135m"
     args.shape_large = "tiny" if args.tiny else "llama-3-8b"
@@ -628,6 +684,9 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     for part in args.parts.split(","):
         if part == "env":
+            continue
+        if _remaining(args) < 30:
+            results[part] = {"error": "skipped: the check's deadline"}
             continue
         if part == "roofline":  # runs JAX: a child of its own
             extra = ["--peak", str(args.peak)] if args.peak else []

@@ -94,6 +94,12 @@ def _parse_args() -> argparse.Namespace:
         help="run the Pallas attention and dequant-matmul kernels on this backend where the "
         "runtime would not choose them yet (an accelerator before its kernels are enabled)",
     )
+    parser.add_argument(
+        "--trace",
+        default="",
+        help="folder: after timing, trace 3 calls of each step with jax.profiler and print where "
+        "the device time goes (tools/trace_summary.py), one TRACE line of JSON per step",
+    )
     return parser.parse_args()
 
 
@@ -217,7 +223,28 @@ def main() -> int:
                 f"  {what} {name:>15}: best {best:8.3f}  median {median:8.3f}  "
                 f"({first / best:.2f}x the speed of {next(iter(times))})"
             )
+        if args.trace:
+            _trace(args.trace, what, steps)
     return 0
+
+
+def _trace(folder: str, what: str, steps: dict[str, Any], calls: int = 3) -> None:
+    """Trace ``calls`` calls of each step and print their summary (``TRACE {json}``)."""
+    import json
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_summary import summarize
+
+    for name, run in steps.items():
+        label = "-".join(f"{what} {name}".split()).replace("+", "_")
+        out = Path(folder) / label
+        with jax.profiler.trace(str(out), create_perfetto_trace=True):
+            for _ in range(calls):
+                result = run()
+            jax.block_until_ready(result)
+        summary = summarize(out, top=12, calls=calls)
+        print("TRACE " + json.dumps({"step": f"{what} {name}".strip(), **summary}), flush=True)
 
 
 if __name__ == "__main__":
