@@ -3,9 +3,10 @@
 On GPU and TPU the Pallas kernels (paged attention, dequant-matmul) are taken only where they
 are safe: ``auto`` runs each once on the device, on a small case shaped like the served model
 (its heads, head size, KV cache dtype, window and soft-cap; one of its own packed weights), and
-compares it with the jnp reference. Where they agree the op's ``KERNEL_BACKENDS`` gains the
-backend, so every step's call of that op takes the kernel; where the kernel fails to compile,
-raises or disagrees, the reference serves and one warning line says why. ``--attention-backend``
+compares it with the jnp reference, then times both on a decode case of the model's shape
+(``speed_check``). Where they agree and the kernel is not slower the op's ``KERNEL_BACKENDS``
+gains the backend, so every step's call of that op takes the kernel; where the kernel fails to
+compile, raises, disagrees or loses, the reference serves and one warning line says why. ``--attention-backend``
 and ``--matmul-backend`` force ``pallas`` or ``reference``.
 
 On CPU the native kernels and XLA's formulations are chosen per call class by measurement
@@ -16,6 +17,7 @@ kernel, and ``pallas`` is refused (the Pallas kernels only interpret on CPU, far
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import jax
@@ -37,6 +39,9 @@ _CALIBRATED = {"attention": "paged_attention", "dequant_matmul": "dequant_matmul
 # How far the kernel may stray from the reference on the check's case (float32 sums in a
 # different order; a bfloat16 cache or weight rounds the same values on both sides).
 ATOL, RTOL = 2e-2, 2e-2
+NO_PACKED = "the model has no packed weights"
+# The speed check's decode case: sequences and positions each (a served batch's attention).
+SPEED_SEQS, SPEED_CONTEXT = 16, 1024
 
 
 def choose_kernels(
@@ -61,9 +66,15 @@ def choose_kernels(
         ok, why = (True, "forced") if want == "pallas" else (False, "forced")
         if want == "auto":
             ok, why = self_check(kernel, model_config, weights, kv_dtype, backend)
+            if ok:
+                ok, why = speed_check(kernel, model_config, weights, kv_dtype, backend)
             if not ok:
-                logger.warning(
-                    "%s: the Pallas kernel is not used (%s); the reference serves", kernel, why
+                level = logging.INFO if why == NO_PACKED else logging.WARNING
+                logger.log(
+                    level,
+                    "%s: the Pallas kernel is not used (%s); the reference serves",
+                    kernel,
+                    why,
                 )
         _enable(ops, backend, ok)
         choices[kernel] = "pallas" if ok else "reference"
@@ -107,7 +118,7 @@ def self_check(
         else:
             case = _dequant_case(weights)
             if case is None:
-                return False, "the model has no packed weights"
+                return False, NO_PACKED
             got, want = case
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     except Exception as e:  # a kernel that cannot compile or run here falls back
@@ -117,6 +128,84 @@ def self_check(
     if not np.allclose(got, want, atol=ATOL, rtol=RTOL):
         return False, f"differs from the reference by up to {np.max(np.abs(got - want)):.3g}"
     return True, "matches the reference"
+
+
+def speed_check(
+    kernel: str, model_config: Any, weights: Any, kv_dtype: Any, backend: str | None = None
+) -> tuple[bool, str]:
+    """Whether ``kernel``'s Pallas implementation is at least as fast as the reference on a
+    decode case shaped like the served model (attention: ``SPEED_SEQS`` sequences of
+    ``SPEED_CONTEXT`` positions; dequant-matmul: one row through the model's first packed
+    matrix), timed on this process's device: (faster, the two times). A kernel that agrees but
+    loses serves nothing (an H100 ran the Triton paged-attention kernel 7x slower than the
+    reference inside a step, BENCHMARKS.md). Only the device JAX runs on can be timed: for
+    another ``backend`` (the tests name one) the check passes untimed. TPU attention (the
+    ragged kernel serves every layout there) is not timed either."""
+    backend = backend or jax.default_backend()
+    if backend != jax.default_backend() or (kernel == "attention" and backend == "tpu"):
+        return True, "not timed"
+    try:
+        if kernel == "attention":
+            run, args = _attention_speed_case(model_config, kv_dtype)
+        else:
+            run, args = _dequant_speed_case(weights)
+        kernel_ms, reference_ms = time_implementations(run, args)
+    except Exception as e:  # the numerics check passed; a failure here is the device's
+        return False, f"timing failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    times = f"{kernel_ms:.3f} ms against the reference's {reference_ms:.3f} ms"
+    if kernel_ms > reference_ms:
+        return False, f"slower than the reference: {times}"
+    return True, times
+
+
+def time_implementations(run: Any, args: tuple, rounds: int = 7, calls: int = 5) -> tuple:
+    """Median ms per call of ``run("pallas")`` and ``run("reference")`` on ``args``, compiled
+    first, then timed in alternating rounds of ``calls`` calls."""
+    fns = {impl: jax.jit(run(impl)) for impl in ("pallas", "reference")}
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {impl: [] for impl in fns}
+    for _ in range(rounds):
+        for impl, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[impl].append((time.perf_counter() - start) / calls * 1e3)
+    return float(np.median(times["pallas"])), float(np.median(times["reference"]))
+
+
+def _attention_speed_case(model_config: Any, kv_dtype: Any) -> tuple[Any, tuple]:
+    attention = model_config.attention
+    heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    page_size = 16
+    pages = SPEED_CONTEXT // page_size
+    cache_shape = (1, SPEED_SEQS * pages, page_size, kv_heads, dim)
+    key = jax.random.PRNGKey(0)
+    k = jax.random.normal(key, cache_shape, jnp.float32).astype(kv_dtype)
+    v = jax.random.normal(jax.random.fold_in(key, 1), cache_shape, jnp.float32).astype(kv_dtype)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (SPEED_SEQS, 1, heads, dim), jnp.float32)
+    kv_lens = jnp.full((SPEED_SEQS,), SPEED_CONTEXT, jnp.int32)
+    positions = kv_lens[:, None] - 1
+    page_indices = jnp.arange(SPEED_SEQS * pages, dtype=jnp.int32).reshape(SPEED_SEQS, pages)
+    kw = dict(scale=dim**-0.5, soft_cap=getattr(attention, "soft_cap", None))
+    if attention.sliding_window is not None:
+        kw["sliding_window"] = jnp.int32(attention.sliding_window)
+
+    def run(impl: str) -> Any:
+        return lambda *a: attention_ops.attention(*a, impl=impl, **kw)
+
+    return run, (q, k, v, jnp.int32(0), positions, page_indices, kv_lens)
+
+
+def _dequant_speed_case(weights: Any) -> tuple[Any, tuple]:
+    packed = _first_packed(weights)
+    x = jnp.ones((1, packed.shape[0]), jnp.float32)
+
+    def run(impl: str) -> Any:
+        return lambda x, w: dequant_ops.dequant_matmul(x, w, impl=impl)
+
+    return run, (x, packed)
 
 
 def _tpu_attention_check(model_config: Any, kv_dtype: Any) -> tuple[bool, str]:
@@ -168,12 +257,18 @@ def _attention_case(model_config: Any, kv_dtype: Any) -> tuple[jax.Array, jax.Ar
 def _dequant_case(weights: Any) -> tuple[jax.Array, jax.Array] | None:
     """Eight rows through the first packed matrix of the served weights (its own format and
     scales), or None without one."""
-    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, PackedWeight))
-    packed = next((w for w in leaves if isinstance(w, PackedWeight)), None)
+    packed = _first_packed(weights)
     if packed is None:
         return None
-    while len(packed.shape) > 2:  # a stack of layers or experts: its first matrix
-        packed = jax.tree.map(lambda a: a[0] if a.ndim > 2 else a, packed)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((8, packed.shape[0])), jnp.float32)
     run = lambda impl: jax.jit(lambda x, w: dequant_ops.dequant_matmul(x, w, impl=impl))(x, packed)  # noqa: E731
     return run("pallas"), run("reference")
+
+
+def _first_packed(weights: Any) -> PackedWeight | None:
+    """The first packed matrix of the served weights (a stack's first layer or expert)."""
+    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, PackedWeight))
+    packed = next((w for w in leaves if isinstance(w, PackedWeight)), None)
+    while packed is not None and len(packed.shape) > 2:
+        packed = jax.tree.map(lambda a: a[0] if a.ndim > 2 else a, packed)
+    return packed

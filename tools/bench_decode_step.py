@@ -95,6 +95,13 @@ def _parse_args() -> argparse.Namespace:
         "runtime would not choose them yet (an accelerator before its kernels are enabled)",
     )
     parser.add_argument(
+        "--unroll-layers",
+        choices=("auto", "on", "off", "both"),
+        default="auto",
+        help="walk the layers unrolled (on), under lax.scan (off), or as the runtime does on "
+        "this backend (auto: unrolled off CPU); both times each format both ways",
+    )
+    parser.add_argument(
         "--trace",
         default="",
         help="folder: after timing, trace 3 calls of each step with jax.profiler and print where "
@@ -126,7 +133,11 @@ def _load_models(args: argparse.Namespace, formats: list[str]) -> tuple[Any, Any
             config = dataclasses.replace(config, native_kernels=native)
             tensors = checkpoint.tensors(packed=kind != "float")
             label = f"{name}+native" if native and args.native == "both" else name
-            models[label] = (config, spec.load(config, tensors, dtype, checkpoint.num_tensors))
+            weights = spec.load(config, tensors, dtype, checkpoint.num_tensors)
+            unrolls = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
+            for unroll in unrolls[args.unroll_layers]:
+                tag = "+unrolled" if unroll and args.unroll_layers == "both" else ""
+                models[label + tag] = (dataclasses.replace(config, unroll_layers=unroll), weights)
     return spec, base, dtype, models
 
 

@@ -7,6 +7,7 @@ backend."""
 from __future__ import annotations
 
 import logging
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -110,3 +111,33 @@ def test_on_tpu_attention_is_checked_on_the_ragged_tpu_kernel(weights, monkeypat
     ok, why = selection.self_check("attention", CONFIG, weights, jnp.float32, backend="tpu")
     assert ok, why
     assert calls == [(4, (2, 16))]
+
+
+def test_a_kernel_slower_than_the_reference_is_not_taken(weights, monkeypatch, caplog):
+    # Timed for real on this process's device (here the CPU, where the attention kernel only
+    # interprets and loses by far), on a small decode case.
+    monkeypatch.setattr(selection, "SPEED_SEQS", 2)
+    monkeypatch.setattr(selection, "SPEED_CONTEXT", 64)
+    fast, why = selection.speed_check("attention", CONFIG, weights, jnp.float32, backend="cpu")
+    assert not fast and why.startswith("slower than the reference: "), why
+    fast, why = selection.speed_check("dequant_matmul", CONFIG, weights, jnp.float32, "cpu")
+    assert re.fullmatch(
+        r"(slower than the reference: )?[\d.]+ ms against the reference's "
+        r"[\d.]+ ms",
+        why,
+    ) and fast == (not why.startswith("slower")), why
+    # Another backend than the one JAX runs on cannot be timed: the check passes untimed.
+    assert selection.speed_check("attention", CONFIG, weights, jnp.float32, "gpu") == (
+        True,
+        "not timed",
+    )
+    # At startup a kernel that agrees but loses leaves the reference serving, with its times.
+    slow = (False, "slower than the reference: 2.000 ms against the reference's 1.000 ms")
+    monkeypatch.setattr(
+        selection, "speed_check", lambda kernel, *a: slow if kernel == "attention" else (True, "")
+    )
+    with caplog.at_level(logging.WARNING):
+        choices = selection.choose_kernels(CONFIG, weights, jnp.float32, {}, backend="gpu")
+    assert choices == {"attention": "reference", "dequant_matmul": "pallas"}
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "attention: the Pallas kernel is not used (slower than the reference: 2.000" in line
