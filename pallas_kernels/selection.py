@@ -146,7 +146,7 @@ def speed_check(
         return True, "not timed"
     try:
         if kernel == "attention":
-            run, args = _attention_speed_case(model_config, kv_dtype)
+            run, args = attention_speed_case(model_config.attention, kv_dtype)
         else:
             run, args = _dequant_speed_case(weights)
         kernel_ms, reference_ms = time_implementations(run, args)
@@ -175,19 +175,26 @@ def time_implementations(run: Any, args: tuple, rounds: int = 7, calls: int = 5)
     return float(np.median(times["pallas"])), float(np.median(times["reference"]))
 
 
-def _attention_speed_case(model_config: Any, kv_dtype: Any) -> tuple[Any, tuple]:
-    attention = model_config.attention
+def attention_speed_case(
+    attention: Any, kv_dtype: Any, seqs: int | None = None, context: int | None = None
+) -> tuple[Any, tuple]:
+    """``(run, args)``: ``run(impl)`` attends one decode token of each of ``seqs`` sequences
+    (default ``SPEED_SEQS``) over ``context`` positions each (``SPEED_CONTEXT``) with the heads,
+    window and soft-cap of ``attention`` (an ``AttentionConfig``); the queries in a 16-bit
+    cache's dtype (a model served in it), else float32."""
+    seqs, context = seqs or SPEED_SEQS, context or SPEED_CONTEXT
     heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
     page_size = 16
-    pages = SPEED_CONTEXT // page_size
-    cache_shape = (1, SPEED_SEQS * pages, page_size, kv_heads, dim)
+    pages = -(-context // page_size)
+    cache_shape = (1, seqs * pages, page_size, kv_heads, dim)
     key = jax.random.PRNGKey(0)
     k = jax.random.normal(key, cache_shape, jnp.float32).astype(kv_dtype)
     v = jax.random.normal(jax.random.fold_in(key, 1), cache_shape, jnp.float32).astype(kv_dtype)
-    q = jax.random.normal(jax.random.fold_in(key, 2), (SPEED_SEQS, 1, heads, dim), jnp.float32)
-    kv_lens = jnp.full((SPEED_SEQS,), SPEED_CONTEXT, jnp.int32)
+    q_dtype = kv_dtype if jnp.dtype(kv_dtype) in (jnp.bfloat16, jnp.float16) else jnp.float32
+    q = jax.random.normal(jax.random.fold_in(key, 2), (seqs, 1, heads, dim), q_dtype)
+    kv_lens = jnp.full((seqs,), context, jnp.int32)
     positions = kv_lens[:, None] - 1
-    page_indices = jnp.arange(SPEED_SEQS * pages, dtype=jnp.int32).reshape(SPEED_SEQS, pages)
+    page_indices = jnp.arange(seqs * pages, dtype=jnp.int32).reshape(seqs, pages)
     kw = dict(scale=dim**-0.5, soft_cap=getattr(attention, "soft_cap", None))
     if attention.sliding_window is not None:
         kw["sliding_window"] = jnp.int32(attention.sliding_window)

@@ -428,6 +428,37 @@ def _remaining(args: argparse.Namespace) -> float:
     return args.deadline - (time.monotonic() - args.started)
 
 
+def part_attention(args: argparse.Namespace) -> dict:
+    """The paged-attention kernel against the reference alone, timed the way the startup
+    selection times them (``selection.time_implementations``), on decodes of Llama-3-8B's heads
+    in bfloat16 at ``--num-seqs`` sequences of ``--context`` positions; with the bandwidth of
+    the K/V bytes read."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from jax_llm_runtime.pallas_kernels import selection
+
+    cfg = TINY if args.tiny else LLAMA3_8B
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg["hidden_size"] // heads
+    attention = SimpleNamespace(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, sliding_window=None, soft_cap=None
+    )
+    out: dict[str, Any] = {"heads": f"{heads} over {kv_heads} KV heads of {dim}, bfloat16"}
+    for n in (int(n) for n in args.num_seqs.split(",")):
+        run, call_args = selection.attention_speed_case(attention, jnp.bfloat16, n, args.context)
+        kernel_ms, reference_ms = selection.time_implementations(run, call_args)
+        kv_bytes = 2 * n * args.context * kv_heads * dim * 2
+        out[n] = {
+            "pallas_ms": round(kernel_ms, 4),
+            "reference_ms": round(reference_ms, 4),
+            "pallas_GBps": round(kv_bytes / kernel_ms / 1e6, 1),
+            "reference_GBps": round(kv_bytes / reference_ms / 1e6, 1),
+        }
+    return out
+
+
 def part_roofline(args: argparse.Namespace) -> dict:
     """What XLA's plain dots reach on this device for the step part's weights (its layers'
     projections and the LM head, bfloat16, no attention, norms or sampling): the ceiling the
@@ -563,6 +594,16 @@ def _child(
     return out
 
 
+def _attention_lines(attn: dict) -> list[str]:
+    return [
+        f"- Paged attention alone ({attn.get('heads')}), {n} sequences: Pallas "
+        f"{row['pallas_ms']} ms ({row['pallas_GBps']} GB/s), reference {row['reference_ms']} ms "
+        f"({row['reference_GBps']} GB/s)"
+        for n, row in attn.items()
+        if str(n).isdigit()
+    ]
+
+
 def _markdown(results: dict) -> str:
     env = results.get("env", {})
     lines = [f"Device: {env.get('device_kind')} ({env.get('backend')}), JAX {env.get('jax')}", ""]
@@ -586,6 +627,7 @@ def _markdown(results: dict) -> str:
             lines.append(
                 f"- {tput.get('model')}, single stream, {key}: {row.get('decode_tok_per_s')} tok/s"
             )
+    lines += _attention_lines(results.get("attention", {}))
     roof = results.get("roofline", {})
     for n in (k for k in roof if str(k).isdigit()):
         row = roof[n]
@@ -628,7 +670,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("accelerator-check"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/accelerator-check"))
-    parser.add_argument("--parts", default="env,kernels,roofline,step,greedy,throughput")
+    parser.add_argument("--parts", default="env,kernels,attention,roofline,step,greedy,throughput")
     parser.add_argument("--layers", type=int, default=8, help="of Llama-3-8B's 32 (step part)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--num-seqs", default="1,64")
@@ -688,9 +730,9 @@ def main() -> int:
         if _remaining(args) < 30:
             results[part] = {"error": "skipped: the check's deadline"}
             continue
-        if part == "roofline":  # runs JAX: a child of its own
+        if part in ("roofline", "attention"):  # runs JAX: a child of its own
             extra = ["--peak", str(args.peak)] if args.peak else []
-            results[part] = _child("roofline", args, extra=extra)
+            results[part] = _child(part, args, extra=extra)
             print(part, json.dumps(results[part]), flush=True)
             continue
         t0 = time.perf_counter()

@@ -55,6 +55,7 @@ def _attention_kernel(
     keys_per_split: int,
     max_keys: int,
     row_scales: bool,
+    narrow: bool = False,
 ):
     # k_scales, v_scales: [num_layers, num_pages, page_size] float32, this KV head's row scales
     k_scales_ref, v_scales_ref = refs[:2] if row_scales else (None, None)
@@ -65,7 +66,10 @@ def _attention_kernel(
     k_scale, v_scale = scales_ref[0], scales_ref[1]
     kv_len = jnp.minimum(kv_lens_ref[seq], max_keys)
     pos = positions_ref[...]
-    q = q_ref[...].astype(jnp.float32)
+    # A 16-bit cache with queries of its dtype multiplies at that width, accumulating in
+    # float32 (the tensor cores' rate); other caches multiply float32 at full precision.
+    q = q_ref[...] if narrow else q_ref[...].astype(jnp.float32)
+    precision = None if narrow else lax.Precision.HIGHEST
     block_rows, head_dim = q.shape
 
     # Keys any row of this block can see: [lo, hi), intersected with this split's share.
@@ -86,8 +90,10 @@ def _attention_kernel(
         t = (first_block + j) * block_k + jnp.arange(block_k, dtype=jnp.int32)  # key positions
         page = page_indices_ref[lax.div(t, page_size)]
         offset = lax.rem(t, page_size)
-        k = from_stored(k_ref[layer, page, offset, :]).astype(jnp.float32)  # [block_k, head_dim]
-        v = from_stored(v_ref[layer, page, offset, :]).astype(jnp.float32)
+        k = from_stored(k_ref[layer, page, offset, :])  # [block_k, head_dim]
+        v = from_stored(v_ref[layer, page, offset, :])
+        if not narrow:
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         if row_scales:
             k = k * k_scales_ref[layer, page, offset][:, None]
             v = v * v_scales_ref[layer, page, offset][:, None]
@@ -95,7 +101,7 @@ def _attention_kernel(
             q,
             k,
             (((1,), (1,)), ((), ())),
-            precision=lax.Precision.HIGHEST,
+            precision=precision,
             preferred_element_type=jnp.float32,
         ) * (scale * k_scale)  # [block_rows, block_k]
         if soft_cap is not None:
@@ -108,12 +114,12 @@ def _attention_kernel(
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_next)
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
-        v = jnp.where(in_range[:, None], v, 0.0)  # 0 * NaN is NaN: stale values must be zeros
+        v = jnp.where(in_range[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN is NaN: zeros
         pv = lax.dot_general(
-            p,
+            p.astype(v.dtype),
             v,
             (((1,), (0,)), ((), ())),
-            precision=lax.Precision.HIGHEST,
+            precision=precision,
             preferred_element_type=jnp.float32,
         )
         return m_next, alpha * total + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
@@ -142,6 +148,13 @@ def _combine_splits(
     """
     weight = jnp.exp(lse - jnp.max(lse, axis=0)[None])
     return jnp.sum(weight[..., None] * o, axis=0) / jnp.sum(weight, axis=0)[..., None]
+
+
+def _narrow(q_dtype: jnp.dtype, cache_dtype: jnp.dtype, row_scales: bool) -> bool:
+    """Whether the kernel multiplies at 16 bits: a bfloat16 or float16 cache (no row scales)
+    read by queries of the same dtype."""
+    value = value_dtype(cache_dtype)
+    return not row_scales and value == q_dtype and value in (jnp.bfloat16, jnp.float16)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -361,6 +374,30 @@ def _kernel_inputs(
     return inputs
 
 
+# Programs a launch should have at least: a few per streaming multiprocessor of a large GPU
+# (an H100 has 132), so that a decode of one sequence does not run on 8 of them.
+MIN_PROGRAMS = 512
+
+
+def auto_splits(
+    q_shape: tuple[int, ...],
+    cache_shape: tuple[int, ...],
+    pages_per_seq: int,
+    block_k: int | None = None,
+) -> int:
+    """Key-range splits (split-K, "flash decoding") for a call: enough that the grid has about
+    ``MIN_PROGRAMS`` programs, never more than one ``block_k`` block of keys per split. An H100
+    trace ran a one-sequence decode of 8 KV heads without splits at 14 GB/s (BENCHMARKS.md)."""
+    num_seqs, q_len, num_heads, head_dim = q_shape
+    page_size, num_kv_heads = cache_shape[2], cache_shape[3]
+    base = tuning.lookup(head_dim, page_size, q_len)
+    rows = q_len * (num_heads // num_kv_heads)
+    block_rows = min(base.block_rows, max(16, _next_power_of_two(rows)))
+    programs = num_seqs * num_kv_heads * pl.cdiv(rows, block_rows)
+    blocks = pl.cdiv(pages_per_seq * page_size, block_k or base.block_k)
+    return int(max(1, min(pl.cdiv(MIN_PROGRAMS, programs), blocks)))
+
+
 def paged_attention(
     q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
@@ -377,7 +414,7 @@ def paged_attention(
     v_scale: float | jax.Array = 1.0,
     k_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_rows: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -391,9 +428,14 @@ def paged_attention(
     (e4m3fn or e5m2): it is dequantised in-kernel as ``k * k_scale`` and ``v * v_scale``, and
     with ``k_scales``/``v_scales`` also by each row's own scale (``KVCache``'s float8 layout).
     ``num_splits`` splits each sequence's key range across programs (split-K, for long contexts
-    and few sequences). Block sizes default to ``tuning.lookup``; ``interpret=True`` runs the
-    kernel on CPU. Rows that see no key return zeros.
+    and few sequences); by default ``auto_splits`` picks it from the grid's size (compiled
+    kernels; 1 when interpreted). Block sizes
+    default to ``tuning.lookup``; ``interpret=True`` runs the kernel on CPU. Rows that see no key
+    return zeros.
     """
+    if num_splits is None:  # interpreted programs run one after another: no splits there
+        splits = auto_splits(q.shape, k_cache.shape, page_indices.shape[1], block_k)
+        num_splits = 1 if interpret else splits
     _validate(
         q,
         k_cache,
@@ -427,6 +469,7 @@ def paged_attention(
         keys_per_split=plan.keys_per_split,
         max_keys=plan.max_keys,
         row_scales=k_scales is not None,
+        narrow=_narrow(q.dtype, k_cache.dtype, k_scales is not None),
     )
     scalars = (layer, sliding_window, k_scale, v_scale)
     caches = (k_cache, v_cache, k_scales, v_scales)

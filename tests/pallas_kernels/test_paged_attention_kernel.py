@@ -287,3 +287,57 @@ def test_compiled_kernel_on_gpu(dtype):
         assert np.isfinite(out).all()
         seen = case.seen(window)
         np.testing.assert_allclose(out[seen], ref[seen], rtol=tol, atol=tol)
+
+
+def test_auto_splits_fill_the_grid_for_few_sequences_and_none_for_many():
+    # Llama-3-8B's heads (32 over 8 KV heads of 128), 1,024 positions in 16-token pages.
+    cache = (1, 4096, 16, 8, 128)
+    assert kernel.auto_splits((1, 1, 32, 128), cache, 64) == 16  # every 64-key block its own
+    assert kernel.auto_splits((16, 1, 32, 128), cache, 64) == 4
+    assert kernel.auto_splits((64, 1, 32, 128), cache, 64) == 1
+    assert kernel.auto_splits((1, 1, 32, 128), cache, 2) == 1  # a 32-key context: one block
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_auto_splits_and_16_bit_dots_match_the_reference(dtype):
+    # A decode of two sequences, the splits the compiled kernel would take, interpreted; the
+    # bfloat16 case multiplies at 16 bits with float32 accumulation.
+    case = make_case([1, 1], [40, 77], 1, 8, 2, head_dim=64, page_size=16, dtype=dtype)
+    pages = case.page_indices.shape[1]
+    splits = kernel.auto_splits(case.q.shape, case.k_cache.shape, pages, block_k=16)
+    assert splits == pages  # 96 keys in blocks of 16
+    kwargs = dict(scale=0.125, soft_cap=30.0)
+    out = run_kernel(case, num_splits=splits, block_k=16, **kwargs)
+    ref = reference.paged_attention(*case.args(), **kwargs)
+    tol = TOL if dtype == jnp.float32 else 2e-2
+    seen = case.seen(None)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(out[seen], ref[seen], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton_for_cuda(monkeypatch, dtype):
+    # Lowering for CUDA runs the Pallas Triton lowering here, without a GPU: every primitive of
+    # the kernel (the 16-bit dots and the split outputs included) needs a Triton rule. A decode
+    # of Llama-3-8B's heads over 1,024 positions, with the splits a compiled call takes.
+    from jax import export
+    from jax.experimental.pallas import triton as pltriton
+
+    monkeypatch.setattr(
+        kernel, "_compiler_params", lambda config, interpret: pltriton.CompilerParams()
+    )
+    shapes = (
+        jax.ShapeDtypeStruct((1, 1, 32, 128), dtype),
+        jax.ShapeDtypeStruct((2, 128, 16, 8, 128), dtype),
+        jax.ShapeDtypeStruct((2, 128, 16, 8, 128), dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 64), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    exported = export.export(
+        jax.jit(lambda *a: kernel.paged_attention(*a, scale=0.088)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*shapes)
+    assert "xla.gpu.triton" in exported.mlir_module()
