@@ -26,7 +26,7 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
             "--work",
             str(tmp_path / "work"),
             "--parts",
-            "env,roofline,step",
+            "env,attention,roofline,step",
             "--context",
             "32",
             "--num-seqs",
@@ -47,5 +47,10 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
         rows = figures["step"][label]
         assert set(rows) == {"1", "2"}, rows
         assert all(row["best_ms"] > 0 and row["bandwidth_GBps"] > 0 for row in rows.values())
+    # Each step's device time, traced (on CPU the host's thunks), and the attention alone.
+    assert {t["run"] for t in figures["step"]["traces"]} == {"float", "float+pallas"}
+    assert all(t["total_us"] > 0 and t["kernels"] for t in figures["step"]["traces"])
+    assert all(figures["attention"][n]["pallas_ms"] > 0 for n in ("1", "2"))
     table = (out / "accelerator_check.md").read_text()
     assert "| float+pallas | 2 |" in table
+    assert "Paged attention alone" in table
