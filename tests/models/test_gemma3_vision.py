@@ -105,7 +105,7 @@ def test_vision_loading_is_strict(saved) -> None:
     with pytest.raises(WeightLoadError, match="mm_soft_emb_norm"):
         spec.vision.load(vision_config, missing, np.float32)
     extra = dict(captured) | {"model.vision_tower.vision_model.head.weight": np.zeros(3)}
-    with pytest.raises(WeightLoadError, match="head.weight"):
+    with pytest.raises(WeightLoadError, match=r"head\.weight"):
         spec.vision.load(vision_config, extra, np.float32)
     bad = dict(captured)
     bad["model.multi_modal_projector.mm_input_projection_weight"] = np.zeros((3, 3))
