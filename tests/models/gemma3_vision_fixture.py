@@ -15,7 +15,7 @@ from tests.models.tiny_tokenizer import BOS, EOS
 
 BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 BOI_ID, EOI_ID, IMAGE_ID = 258, 259, 260
-VOCAB_SIZE = 264
+VOCAB_SIZE = 261  # the byte tokenizer: 256 bytes, BOS, EOS and the three image tokens
 TOKENS_PER_IMAGE = 4
 IMAGE_SIZE = 32
 
