@@ -217,3 +217,26 @@ def test_one_image_two_encodings_one_digest() -> None:
     pixels = PixelPreprocessing(size=fx.IMAGE_SIZE)(Image.open(io.BytesIO(_png(image))))
     again = PixelPreprocessing(size=fx.IMAGE_SIZE)(image)
     assert ImageInput.of(pixels).digest == ImageInput.of(np.array(again)).digest
+
+
+def test_responses_input_image(server) -> None:
+    url, _, _, _ = server
+    image = _data_url(_png(fx.random_images(1, seed=9)[0]))
+
+    def respond(*parts: dict[str, Any]) -> httpx.Response:
+        body = {
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, *parts]}],
+            "max_output_tokens": 2,
+        }
+        return httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+
+    response = respond({"type": "input_image", "image_url": image})
+    assert response.status_code == 200, response.text
+    text_only = respond()
+    image_tokens = len(fx.image_sequence())
+    assert (
+        response.json()["usage"]["input_tokens"]
+        == text_only.json()["usage"]["input_tokens"] + image_tokens
+    )
+    assert_error(respond({"type": "input_image", "image_url": _data_url(b"not a png")}), 400)
+    assert_error(respond({"type": "input_image"}), 400)
