@@ -320,9 +320,11 @@ class Scheduler:
         affordable = chunk_tokens(seq.num_computed, room, self.prefix_cost)
         length = min(seq.num_pending, self.prefill_chunk_size, affordable)
         start = seq.num_computed
-        length = _image_safe_end(seq, start, start + length) - start
+        safe = _image_safe_end(seq, start, start + length) - start
+        too_long = safe > length and used + safe > self.max_step_tokens  # grown for an image
+        length = safe
         needed = self._pages_needed(seq, seq.num_computed + length)
-        if used + length > self.max_step_tokens or not self.allocator.can_allocate(needed):
+        if too_long or not self.allocator.can_allocate(needed):
             if reused:  # give the cached pages back until it can start
                 self._release_pages(seq)
             return None

@@ -7,6 +7,7 @@ refused."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,18 +21,28 @@ PAGE_SIZE = 8
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
-    from jax_llm_runtime.runtime.config import EngineConfig
-    from jax_llm_runtime.runtime.loading.builder import build_engine
-
+def saved(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("gemma3_vision_engine")
-    hf_model = fx.save_model(folder)
-    config = EngineConfig(
+    return folder, fx.save_model(folder)
+
+
+def _config(folder: Path, **changes):
+    from jax_llm_runtime.runtime.config import EngineConfig
+
+    settings = dict(
         model_id=str(folder), max_num_seqs=2, max_model_len=96, dtype="float32",
         page_size=PAGE_SIZE, prefill_chunk_size=PAGE_SIZE, max_num_batched_tokens=12,
         decode_steps=1, kvcache_mem_mb=1,
     )  # fmt: skip
-    engine = build_engine(config)
+    return EngineConfig(**(settings | changes))
+
+
+@pytest.fixture(scope="module")
+def served(saved):
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, hf_model = saved
+    engine = build_engine(_config(folder))
     engine.start()
     yield engine, hf_model
     engine.shutdown()
@@ -110,3 +121,32 @@ def test_text_prompts_and_mismatched_images(served) -> None:
         _run(engine, _prompt(1), images, "mismatch")
     with pytest.raises(ValueError, match="image tokens in a row"):
         _run(engine, [256, fx.IMAGE_ID, 65], (), "stray")
+
+
+def test_preemption_recomputes_with_the_same_image(saved) -> None:
+    """A sequence preempted after its image was prefilled is recomputed from its tokens (no
+    prefix cache here, so the image's tokens too) with the soft tokens it kept: the encoder runs
+    once, and the greedy tokens are HF's."""
+    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+    from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages, image_spans
+
+    folder, hf_model = saved
+    engine = build_engine(_config(folder, prefix_cache=False))  # driven here, not started
+    scheduler, runner = engine.scheduler, engine.runner
+    encoded = []
+    encode = runner.images.encode
+    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
+    inputs = _inputs(engine, fx.random_images(1, seed=30))
+    ids = _prompt(1)
+    spans = image_spans(ids, fx.IMAGE_ID, fx.TOKENS_PER_IMAGE)
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seq = Sequence("p", ids, sampling, 0, 1, images=SequenceImages(inputs, tuple(spans)))
+    scheduler.add(seq)
+    while seq.status is not SequenceStatus.FINISHED:
+        batch = scheduler.schedule()
+        scheduler.update(batch, runner.run(batch).token_ids)
+        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
+            scheduler._preempt(seq)
+    assert seq.num_preemptions == 1 and encoded == [1]
+    assert seq.output_ids == _hf_greedy(hf_model, ids, inputs[0].pixels[None])
