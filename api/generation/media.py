@@ -77,20 +77,25 @@ async def _fetch(url: str, media: MediaConfig, param: str) -> bytes:
             param,
         )
     try:
-        async with (
-            httpx.AsyncClient(follow_redirects=False, timeout=media.fetch_timeout_s) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                raise _refused(f"fetching the image answered HTTP {response.status_code}", param)
-            body = bytearray()
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > media.max_image_bytes:
-                    raise _refused(f"the image is larger than {media.max_image_bytes} bytes", param)
-            return bytes(body)
-    except httpx.HTTPError as exc:
+        # The whole fetch has one deadline: httpx's timeout bounds each read, not a slow drip.
+        return await asyncio.wait_for(_get(url, media, param), media.fetch_timeout_s)
+    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
         raise _refused(f"the image could not be fetched: {type(exc).__name__}", param) from None
+
+
+async def _get(url: str, media: MediaConfig, param: str) -> bytes:
+    async with (
+        httpx.AsyncClient(follow_redirects=False, timeout=media.fetch_timeout_s) as client,
+        client.stream("GET", url) as response,
+    ):
+        if response.status_code != 200:
+            raise _refused(f"fetching the image answered HTTP {response.status_code}", param)
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > media.max_image_bytes:
+                raise _refused(f"the image is larger than {media.max_image_bytes} bytes", param)
+        return bytes(body)
 
 
 def _local_file(url: str, media: MediaConfig, param: str) -> bytes:

@@ -28,6 +28,8 @@ from tests.models import gemma3_vision_fixture as fx
 from tests.runtime.test_image_processing import HOSTILE
 
 MAX_IMAGES = 2
+MAX_IMAGE_BYTES = 256 * 1024
+FETCH_TIMEOUT_S = 1.5
 NEW_TOKENS = 6
 
 
@@ -50,6 +52,17 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(self.png)))
             self.end_headers()
             self.wfile.write(self.png)
+        elif self.path in ("/big", "/slow"):
+            size = 4 * MAX_IMAGE_BYTES if self.path == "/big" else 100
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            if self.path == "/big":
+                self.wfile.write(b"\0" * size)
+            for _ in range(size if self.path == "/slow" else 0):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.1)  # each read well within the timeout, the whole far past it
         elif self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://example.com/x.png")
@@ -85,7 +98,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, image_host: str) -> Iterato
             page_size=8, kvcache_mem_mb=1, limit_mm_per_prompt=MAX_IMAGES,
         )
     )  # fmt: skip
-    media = MediaConfig(allowed_domains=("127.0.0.1",), allowed_local_path=str(media_dir))
+    media = MediaConfig(
+        allowed_domains=("127.0.0.1",), allowed_local_path=str(media_dir),
+        max_image_bytes=MAX_IMAGE_BYTES, fetch_timeout_s=FETCH_TIMEOUT_S,
+    )  # fmt: skip
     config = ServerConfig(media=media)
     with serve_in_thread(create_app(engine, config=config)) as url:
         yield url, hf_model, media_dir, folder
@@ -164,6 +180,9 @@ def _hostile_parts(media_dir: Path, image_host: str) -> dict[str, list[dict[str,
         "not an image type": [_image_part(_data_url(b"hello", "text/plain"))],
         "host not allowed": [_image_part("https://example.com/cat.png")],
         "redirect": [_image_part(f"{image_host}/redirect")],
+        "fetched too large": [_image_part(f"{image_host}/big")],
+        "fetched slowly": [_image_part(f"{image_host}/slow")],
+        "sent too large": [_image_part(_data_url(b"\0" * (MAX_IMAGE_BYTES + 3)))],
         "not found": [_image_part(f"{image_host}/missing.png")],
         "unreachable": [_image_part("http://127.0.0.1:9/cat.png")],
         "file outside": [_image_part(outside.as_uri())],
