@@ -263,6 +263,7 @@ def _add_weight_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     _add_batch_flags(group)
+    _add_image_flags(group)
     _add_numerics_flags(group)
     _add_device_flags(group)
     _add_prefix_cache_flags(group)
@@ -283,14 +284,6 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         default=DEFAULT_MAX_WAITING,
         help="most sequences waiting for a place in the batch; a request that would exceed it "
         "gets a 503 with Retry-After at once; 0 = no bound (default: %(default)s)",
-    )
-    add(
-        "--limit-mm-per-prompt",
-        type=_mm_limit,
-        default=MAX_IMAGES_PER_PROMPT,
-        metavar="N",
-        help="most images one prompt of a vision-language model may hold: a number, or vLLM's "
-        "JSON form '{\"image\": N}' (default: %(default)s)",
     )
     add(
         "--max-model-len",
@@ -353,6 +346,18 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         "chunks of as many prompts as fit; smaller keeps running streams smooth while prompts "
         f"arrive, larger prefills long prompts in fewer steps; 0 = {CPU_BATCHED_TOKENS} on CPU, "
         "else --prefill-chunk-size plus --max-num-seqs (default: 0)",
+    )
+
+
+def _add_image_flags(group: argparse._ArgumentGroup) -> None:
+    """How many images a prompt of a vision-language model may hold."""
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limit,
+        default=MAX_IMAGES_PER_PROMPT,
+        metavar="N",
+        help="most images one prompt of a vision-language model may hold: a number, or vLLM's "
+        "JSON form '{\"image\": N}' (default: %(default)s)",
     )
 
 

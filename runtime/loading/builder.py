@@ -179,7 +179,7 @@ def _build_replica(
     config: EngineConfig, model: LoadedModel, devices: Sequence[int] | None
 ) -> Engine:
     """One engine on ``devices`` (its tensor-parallel mesh) with its own KV cache."""
-    files, spec, model_config = model.files, model.spec, model.config
+    spec, model_config = model.spec, model.config
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
@@ -222,22 +222,33 @@ def _build_replica(
         config, model_config, tokenizer, plan, num_pages, max_model_len, mixed,
         (budget, prefill_only), (decode_steps, multi_step_seqs),
     )  # fmt: skip
-    name = config.served_model_name or files.name
+    engine = _engine(config, model, runner, scheduler, max_model_len)
+    engine.kernel_choices = kernels
+    return engine
+
+
+def _engine(
+    config: EngineConfig,
+    model: LoadedModel,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    max_model_len: int,
+) -> Engine:
+    """The engine over a replica's runner and scheduler, with the cache-free forward of
+    models that have one (embeddings, prompt scoring) on the runner's config and weights."""
     embedder = None
-    if spec.hidden_states is not None:
-        embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
-    engine = Engine(
+    if model.spec.hidden_states is not None:
+        embedder = EmbeddingRunner(model.spec, runner.config, runner.weights, max_model_len)
+    return Engine(
         runner,
         scheduler,
-        tokenizer,
-        name,
+        model.tokenizer,
+        config.served_model_name or model.files.name,
         max_model_len,
         seed=config.seed,
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
-    engine.kernel_choices = kernels
-    return engine
 
 
 def _plan(
