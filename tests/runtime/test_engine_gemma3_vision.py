@@ -112,6 +112,29 @@ def test_prefix_cache_keys_include_images(served) -> None:
     assert b == _hf_greedy(hf_model, ids, second[0].pixels[None])
 
 
+def test_image_traffic_compiles_nothing_after_startup(served) -> None:
+    """The image encoder's batch sizes and the steps that prefill image tokens are compiled
+    with the other buckets, before serving traffic needs them."""
+    import jax
+
+    engine, _ = served
+    assert engine.compile_done.wait(timeout=300)
+    events: list[str] = []
+
+    def listener(event: str, *_args, **_kwargs) -> None:
+        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for n in (1, 2):
+            inputs = _inputs(engine, fx.random_images(n, seed=40 + n))
+            _run(engine, _prompt(n), inputs, f"no-compile-{n}")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+
+
 def test_text_prompts_and_mismatched_images(served) -> None:
     engine, _ = served
     text, _ = _run(engine, [256, *b"just text"], (), "text")
