@@ -116,8 +116,11 @@ class Engine:
             len(rest),
         )
         background = [(self.runner.compiled, rest)]
-        if self.runner.images is not None:
-            background.insert(0, (self.runner.images.compiled, self.runner.images.keys()))
+        images = self.runner.images
+        if images is not None and compile_all:
+            images.compiled.compile_now(images.keys())
+        elif images is not None:
+            background.insert(0, (images.compiled, images.keys()))
         if self.embedder is not None:
             if compile_all:
                 seconds = self.embedder.compiled.compile_now(self.embedder.keys())
