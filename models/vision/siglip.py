@@ -126,9 +126,17 @@ class SiglipLayer(nnx.Module):
             return y.reshape(n, p, cfg.num_heads, head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(h)), heads(self.k_proj(h)), heads(self.v_proj(h))
-        scores = jnp.einsum("nhqd,nhkd->nhqk", q, k, preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(scores * head_dim**-0.5, axis=-1).astype(v.dtype)
-        attn = jnp.einsum("nhqk,nhkd->nhqd", probs, v).transpose(0, 2, 1, 3).reshape(n, p, d)
+
+        def one_head(qkv: tuple[jax.Array, ...]) -> jax.Array:  # [n, p, head_dim]
+            q, k, v = qkv
+            scores = jnp.einsum("nqd,nkd->nqk", q, k, preferred_element_type=jnp.float32)
+            probs = jax.nn.softmax(scores * head_dim**-0.5, axis=-1).astype(v.dtype)
+            return jnp.einsum("nqk,nkd->nqd", probs, v)
+
+        # A head at a time: Gemma 3's 4096 patches make one head's scores 64 MB per image, all
+        # 16 heads' a gigabyte.
+        per_head = jax.lax.map(one_head, tuple(t.transpose(1, 0, 2, 3) for t in (q, k, v)))
+        attn = per_head.transpose(1, 2, 0, 3).reshape(n, p, d)  # [n, p, heads * head_dim]
         x = x + self.out_proj(attn)
         h = self.fc2(ACTIVATIONS[cfg.activation](self.fc1(self.layer_norm2(x))))
         return x + h
