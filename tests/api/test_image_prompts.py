@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 
 from jax_llm_runtime.api.generation.prompts import chat_prompt
 from jax_llm_runtime.api.protocol.bodies import ChatCompletionRequest
@@ -72,3 +73,28 @@ def test_prompt_and_pixels_equal_gemma3_processor(tmp_path: Path) -> None:
     assert prompt.ids == expected["input_ids"][0].tolist()
     pixels = np.stack([image.pixels for image in prompt.images])
     np.testing.assert_allclose(pixels, expected["pixel_values"], atol=1e-6, rtol=0)
+
+
+def test_image_flags() -> None:
+    from jax_llm_runtime.api.cli.serve import _config_from_args, build_parser
+    from jax_llm_runtime.api.cli.service_flags import server_config
+
+    parser = build_parser()
+    for value, limit in (("3", 3), ('{"image": 7}', 7), ("0", 0)):
+        assert (
+            _config_from_args(
+                parser.parse_args(["--limit-mm-per-prompt", value])
+            ).limit_mm_per_prompt
+            == limit
+        )
+    for bad in ('{"video": 1}', "-1", "many", "{"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--limit-mm-per-prompt", bad])
+    args = parser.parse_args(
+        ["--allowed-media-domains", "Images.Example.com", "cdn.example.org",
+         "--allowed-local-media-path", "/srv/images", "--max-image-bytes", "1000"]
+    )  # fmt: skip
+    media = server_config(args).media
+    assert media.allowed_domains == ("images.example.com", "cdn.example.org")
+    assert (media.allowed_local_path, media.max_image_bytes) == ("/srv/images", 1000)
+    assert server_config(parser.parse_args([])).media.allowed_domains == ()
