@@ -39,7 +39,8 @@ class DataParallelEngine:
         self.kernel_choices = dict(getattr(first, "kernel_choices", {}))
         self.max_model_len = first.max_model_len
         self.tokenizer = first.tokenizer
-        self.image_processor = first.image_processor
+        # A vision-language model's (None otherwise): see EngineClient.generate_n.
+        self.image_processor = getattr(first, "image_processor", None)
         self.compile_done = threading.Event()
         self._picking = threading.Lock()
 
@@ -96,7 +97,8 @@ class DataParallelEngine:
         with self._picking:  # two requests at once would both pick the same idle replica
             for engine in self._by_load():
                 try:
-                    return engine.generate_n(prompt_token_ids, sampling, request_id, n, images)
+                    extra = (images,) if images else ()  # only a vision engine takes images
+                    return engine.generate_n(prompt_token_ids, sampling, request_id, n, *extra)
                 except EngineOverloadedError as exc:
                     overloaded = exc
         assert overloaded is not None
