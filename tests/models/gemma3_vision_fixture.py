@@ -28,13 +28,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_config() -> Any:
+def hf_config(sliding_window: int = 6) -> Any:
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     text = Gemma3TextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=sliding_window, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         query_pre_attn_scalar=16, pad_token_id=0, bos_token_id=256, eos_token_id=257,
     )  # fmt: skip
     vision = SiglipVisionConfig(
@@ -65,14 +65,15 @@ def save_tokenizer(folder: Path) -> None:
     hf.save_pretrained(folder)
 
 
-def save_model(folder: Path, seed: int = 0) -> Any:
+def save_model(folder: Path, seed: int = 0, sliding_window: int = 6) -> Any:
     """The seeded float32 HF model saved in ``folder`` with the tokenizer and a
     ``preprocessor_config.json``; returns the HF model."""
     import torch
     from transformers import Gemma3ForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(hf_config()).to(torch.float32).eval()
+    config = hf_config(sliding_window)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
     with torch.no_grad():  # the projector's weights start at zero: make them matter
         for name, p in model.named_parameters():
             if "multi_modal_projector" in name:
