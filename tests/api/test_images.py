@@ -85,12 +85,13 @@ def image_host() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, image_host: str) -> Iterator[tuple]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, image_host: str, gemma3_vision_checkpoint
+) -> Iterator[tuple]:
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
-    folder = tmp_path_factory.mktemp("gemma3_vision_api")
-    hf_model = fx.save_model(folder)
+    folder, hf_model = gemma3_vision_checkpoint
     media_dir = tmp_path_factory.mktemp("media")
     engine = build_engine(
         EngineConfig(

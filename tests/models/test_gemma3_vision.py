@@ -22,9 +22,8 @@ PADDED = 64  # the prompts' rows, padded
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    folder = tmp_path_factory.mktemp("gemma3_vision")
-    return folder, fx.save_model(folder)
+def saved(gemma3_vision_checkpoint) -> tuple[Path, object]:
+    return gemma3_vision_checkpoint
 
 
 def _load(folder: Path):

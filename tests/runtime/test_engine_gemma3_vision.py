@@ -21,9 +21,8 @@ PAGE_SIZE = 8
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("gemma3_vision_engine")
-    return folder, fx.save_model(folder)
+def saved(gemma3_vision_checkpoint):
+    return gemma3_vision_checkpoint
 
 
 def _config(folder: Path, **changes):
