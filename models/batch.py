@@ -10,6 +10,14 @@ mix of decode rows and prefill chunks that fits them.
 
 ``decode_rows`` (static) marks a decode step's layout: row ``s`` is sequence ``s``'s one new
 token or padding, so attention can run the padded ``[num_seqs, 1]`` contract on it.
+
+A step that prefills image tokens of a vision-language model (Gemma 3) carries three more
+arrays, None in every other step (so text steps compile as before): ``embeds`` replace the
+token embeddings of the rows flagged in ``embed_rows`` (the image encoder's soft tokens), and
+``horizons`` give each row the last position it may attend to: its own position (causal), or
+for an image token the last position of its image, so that the tokens of one image see each
+other both ways. The scheduler keeps an image's tokens in one chunk, so those keys are written
+in the step that reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ class StepBatch:
     page_indices: jax.Array  # [num_seqs, pages_per_seq] int32
     last_rows: jax.Array  # [num_seqs] int32, each sequence's last new row (its logits' row)
     decode_rows: bool = struct.field(pytree_node=False, default=False)
+    embeds: jax.Array | None = None  # [num_tokens, hidden] float, rows replacing embeddings
+    embed_rows: jax.Array | None = None  # [num_tokens] bool, rows that take ``embeds``
+    horizons: jax.Array | None = None  # [num_tokens] int32, last visible key position per row
 
     @property
     def num_seqs(self) -> int:

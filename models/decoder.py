@@ -238,6 +238,8 @@ class Decoder(nnx.Module):
         logits at each sequence's last new token."""
         cfg = self.cfg
         x = self.embed(batch.tokens)  # [num_tokens, hidden]
+        if batch.embeds is not None:  # image soft tokens replace their placeholders' embeddings
+            x = jnp.where(batch.embed_rows[:, None], batch.embeds.astype(x.dtype), x)
         valid = batch.valid  # [num_tokens]
 
         def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:

@@ -12,6 +12,7 @@ import numpy as np
 from jax_llm_runtime.models import checkpoint, decoder
 from jax_llm_runtime.models.families import (
     gemma,
+    gemma3_vision,
     gemma4,
     glm4,
     glm4_moe,
@@ -26,6 +27,7 @@ from jax_llm_runtime.models.families import (
     qwen3,
     stablelm,
 )
+from jax_llm_runtime.models.vision.encoder import VisionSpec
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class ModelSpec:
     without touching the KV cache (used for embeddings); ``lm_head(config, weights, h)`` turns
     such states into logits (used for prompt logprobs). Configs expose ``num_layers``,
     ``num_kv_heads``, ``head_dim``, ``vocab_size`` and ``max_position_embeddings``.
+    ``vision``, for a vision-language model whose images are served, is its image encoder
+    (``models.vision.encoder.VisionSpec``), read from the same HF config and checkpoint.
     """
 
     hf_architecture: str
@@ -48,6 +52,7 @@ class ModelSpec:
     forward: Callable[..., Any]
     hidden_states: Callable[..., Any] | None = None
     lm_head: Callable[..., Any] | None = None
+    vision: VisionSpec | None = None
 
 
 def _decoder(
@@ -55,6 +60,7 @@ def _decoder(
     config_from_hf: Callable[[dict[str, Any]], Any],
     rules: tuple,
     load: Callable[..., Any] = checkpoint.load,
+    vision: VisionSpec | None = None,
 ) -> ModelSpec:
     """A configuration of the shared decoder; ``load`` takes the checkpoint rules by keyword."""
     return ModelSpec(
@@ -64,6 +70,7 @@ def _decoder(
         decoder.forward,
         decoder.hidden_states,
         decoder.lm_head,
+        vision,
     )
 
 
@@ -100,6 +107,8 @@ _SPECS = {
             "Gemma3ForConditionalGeneration",
             gemma.gemma3_config_from_hf,
             gemma.GEMMA3_MULTIMODAL_WEIGHT_RULES,
+            gemma3_vision.load_text,
+            vision=gemma3_vision.GEMMA3_VISION,
         ),
         _decoder(
             "Gemma4ForCausalLM",

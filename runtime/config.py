@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jax_llm_runtime.models.isq import ISQ_TYPES
+from jax_llm_runtime.runtime.multimodal.processor import MAX_IMAGES_PER_PROMPT
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -87,6 +88,8 @@ class EngineConfig:
     expert-parallel mesh, or each device when the experts are not split) in pinned host memory,
     the last ones of the rank's share, and brings them to the device only for the layers whose
     tokens chose one (``runtime.parallel.expert_offload_plan``); 0 keeps every expert on the device.
+    limit_mm_per_prompt is the most images one prompt of a vision-language model may hold
+    (vLLM's --limit-mm-per-prompt); the image encoder compiles for batches up to it.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -117,6 +120,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     expert_parallel: bool = False
     num_experts_offload_per_rank: int = 0
+    limit_mm_per_prompt: int = MAX_IMAGES_PER_PROMPT
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -146,6 +150,7 @@ class EngineConfig:
         if not 0 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         self._check_prefill_chunk_size()
+        _check_at_least("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
 
     def _check_device_settings(self) -> None:
         _check_at_least("kvcache_mem_mb (0: auto)", self.kvcache_mem_mb, 0)

@@ -84,3 +84,13 @@ def hf_smollm2(smollm2_gguf: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return torch, tokenizer, model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Gemma 3 vision-language checkpoint folder and its HF model (the reference),
+    saved once for the image tests (``tests/models/gemma3_vision_fixture.py``)."""
+    from tests.models.gemma3_vision_fixture import save_model
+
+    folder = tmp_path_factory.mktemp("gemma3_vision")
+    return folder, save_model(folder)

@@ -22,13 +22,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from jax_llm_runtime.api.cli.cluster_flags import add_cluster_flags, cluster_config
 from jax_llm_runtime.api.cli.env_file import load_env_file
@@ -56,6 +57,7 @@ from jax_llm_runtime.runtime.config import (
     MATMUL_DTYPES,
     EngineConfig,
 )
+from jax_llm_runtime.runtime.multimodal.processor import MAX_IMAGES_PER_PROMPT
 
 if TYPE_CHECKING:
     from jax_llm_runtime.api.service.served_models import ServedModel
@@ -261,6 +263,7 @@ def _add_weight_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     _add_batch_flags(group)
+    _add_image_flags(group)
     _add_numerics_flags(group)
     _add_device_flags(group)
     _add_prefix_cache_flags(group)
@@ -343,6 +346,18 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         "chunks of as many prompts as fit; smaller keeps running streams smooth while prompts "
         f"arrive, larger prefills long prompts in fewer steps; 0 = {CPU_BATCHED_TOKENS} on CPU, "
         "else --prefill-chunk-size plus --max-num-seqs (default: 0)",
+    )
+
+
+def _add_image_flags(group: argparse._ArgumentGroup) -> None:
+    """How many images a prompt of a vision-language model may hold."""
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limit,
+        default=MAX_IMAGES_PER_PROMPT,
+        metavar="N",
+        help="most images one prompt of a vision-language model may hold: a number, or vLLM's "
+        "JSON form '{\"image\": N}' (default: %(default)s)",
     )
 
 
@@ -685,6 +700,26 @@ def _devices(args: argparse.Namespace) -> tuple[int, ...] | None:
     return None
 
 
+def _mm_limit(text: str) -> int:
+    """``--limit-mm-per-prompt``: ``N`` or ``{"image": N}`` (other modalities are refused)."""
+    value: Any = text
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+        if not isinstance(value, dict) or set(value) - {"image"}:
+            raise argparse.ArgumentTypeError('only images are limited: {"image": N}')
+        value = value.get("image", MAX_IMAGES_PER_PROMPT)
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a count of images: {text!r}") from None
+    if limit < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {limit}")
+    return limit
+
+
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_id=args.model_id or DEFAULT_MODEL_ID,
@@ -692,6 +727,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_model_len=args.max_model_len,
         kvcache_mem_mb=args.kvcache_mem_mb,
         gpu_memory_utilization=args.gpu_memory_utilization,

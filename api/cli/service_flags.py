@@ -15,6 +15,7 @@ from typing import Any
 
 from jax_llm_runtime.api.mcp.config import load_mcp_config
 from jax_llm_runtime.api.service.settings import (
+    DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_TOP_LOGPROBS,
@@ -23,6 +24,7 @@ from jax_llm_runtime.api.service.settings import (
     DEFAULT_REQUEST_READ_TIMEOUT_S,
     DEFAULT_RESPONSE_WRITE_TIMEOUT_S,
     TOOL_PARSERS,
+    MediaConfig,
     SamplingDefaults,
     ServerConfig,
 )
@@ -121,9 +123,35 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         "buffer is full (a stream it does not read) has its connection closed and its request "
         "aborted, freeing its KV pages; 0: never (default: %(default)s)",
     )
+    _add_media_flags(parser.add_argument_group("images").add_argument)
     _add_mcp_flags(parser.add_argument_group("MCP").add_argument)
     add_ui_flags(parser)
     _add_sampling_default_flags(parser)
+
+
+def _add_media_flags(add: Any) -> None:
+    """Where image URLs may point (``api.generation.media``); data: URLs always work."""
+    add(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts whose http(s) image URLs the server fetches (no redirects; default: none, "
+        "only data: URLs)",
+    )
+    add(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="a folder whose files file:// image URLs may name (default: file URLs are off)",
+    )
+    add(
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest encoded image (default: %(default)s; a data: URL also counts against "
+        "--max-request-body-bytes)",
+    )
 
 
 def _add_sampling_default_flags(parser: argparse.ArgumentParser) -> None:
@@ -234,6 +262,11 @@ def server_config(
         mcp_max_rounds=args.mcp_max_rounds,
         mcp_timeout_s=args.mcp_timeout,
         ui=ui,
+        media=MediaConfig(
+            allowed_domains=tuple(args.allowed_media_domains),
+            allowed_local_path=args.allowed_local_media_path,
+            max_image_bytes=args.max_image_bytes,
+        ),
         strict_model_names=args.strict_model_names
         or getattr(args, "models_config", None) is not None,
     )

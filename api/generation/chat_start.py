@@ -16,7 +16,7 @@ from typing import Any
 
 from litestar import Request
 
-from jax_llm_runtime.api.generation.prompts import chat_prompt_ids
+from jax_llm_runtime.api.generation.prompts import chat_prompt
 from jax_llm_runtime.api.generation.reasoning import split_reasoning
 from jax_llm_runtime.api.generation.stream import start_generation
 from jax_llm_runtime.api.generation.structured import response_format_grammar
@@ -69,7 +69,9 @@ async def start_chat(
             )
         grammar = tools.grammar()
     body = with_sampling_defaults(body, config.sampling_defaults)
-    prompt_ids = await chat_prompt_ids(engine.tokenizer, body, tools)
+    processor = getattr(engine, "image_processor", None)
+    prompt = await chat_prompt(engine.tokenizer, body, tools, processor, config.media)
+    prompt_ids = prompt.ids
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = resolve_max_tokens(
         completion_budget(requested, len(prompt_ids), engine.max_model_len, config, None),
@@ -82,7 +84,7 @@ async def start_chat(
     n = resolve_n(body.n, config.max_n)
     check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "top_logprobs")
     generations = await start_generation(
-        engine, request, prompt_ids, sampling, request_id, metrics, n
+        engine, request, prompt_ids, sampling, request_id, metrics, n, images=prompt.images
     )
     choices: list[Any] = [split_reasoning(engine.tokenizer, prompt_ids, g) for g in generations]
     if tools is not None:

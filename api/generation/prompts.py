@@ -8,17 +8,23 @@ template never stalls the event loop that streams other requests' tokens. Templa
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
+from jax_llm_runtime.api.generation.media import request_images
 from jax_llm_runtime.api.protocol.bodies import (
     MAX_BATCH_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    TextContentPart,
 )
 from jax_llm_runtime.api.protocol.errors import bad_request
+from jax_llm_runtime.api.service.settings import MediaConfig
 from jax_llm_runtime.api.tool_calling.chat import ToolRequest, template_message_tool_calls
 from jax_llm_runtime.runtime.engine.interface import TokenizerLike
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
+from jax_llm_runtime.runtime.multimodal.processor import ImageProcessor
 
 # The template variables a request may set through ``chat_template_kwargs``: the switches that
 # model families' templates read (Qwen3's enable_thinking, DeepSeek's thinking, gpt-oss'
@@ -55,9 +61,23 @@ def template_kwargs(requested: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+def _template_content(message: ChatMessage) -> str | list[dict[str, str]]:
+    """A message's content as the template reads it: a string, or with images the list of
+    parts that HF's processors hand templates (``{"type": "image"}`` where each image goes)."""
+    if not message.image_urls():
+        return message.text()
+    assert isinstance(message.content, list)
+    return [
+        {"type": "text", "text": part.text}
+        if isinstance(part, TextContentPart)
+        else {"type": "image"}
+        for part in message.content
+    ]
+
+
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": message.text()}
+    out: dict[str, Any] = {"role": role, "content": _template_content(message)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:
@@ -67,14 +87,44 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat's prompt token ids (image placeholders expanded) and its images, in order."""
+
+    ids: list[int]
+    images: tuple[ImageInput, ...] = ()
+
+
+async def chat_prompt(
+    tokenizer: TokenizerLike,
+    body: ChatCompletionRequest,
+    tools: ToolRequest | None = None,
+    processor: ImageProcessor | None = None,
+    media: MediaConfig | None = None,
+) -> ChatPrompt:
+    """``chat_prompt_ids``, with the messages' images (``processor``: the model's, None when
+    it takes none) loaded under ``media`` and their placeholders expanded as the model's HF
+    processor expands them, so the ids hold every image token (``usage.prompt_tokens``
+    counts them)."""
+    images = await request_images(body.messages, processor, media or MediaConfig())
+    ids = await chat_prompt_ids(
+        tokenizer, body, tools, None if not images else (processor, len(images))
+    )
+    return ChatPrompt(ids, images)
+
+
 async def chat_prompt_ids(
-    tokenizer: TokenizerLike, body: ChatCompletionRequest, tools: ToolRequest | None = None
+    tokenizer: TokenizerLike,
+    body: ChatCompletionRequest,
+    tools: ToolRequest | None = None,
+    expand: tuple[ImageProcessor, int] | None = None,
 ) -> list[int]:
     """Render the chat template (with the generation prompt) and encode it without BOS/EOS added.
 
     The template itself supplies the special tokens, so ``add_special_tokens=False`` avoids a
     doubled BOS. ``tools`` reach the template as its ``tools`` variable, or as a system message
-    when it has none (``api.tool_calling.chat``).
+    when it has none (``api.tool_calling.chat``). ``expand`` = (processor, images): the
+    rendered text's image placeholders are expanded for that many images first.
     """
     kwargs = template_kwargs(body.chat_template_kwargs)
     if tools is not None:
@@ -100,6 +150,8 @@ async def chat_prompt_ids(
 
     def render_and_encode() -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        if expand is not None:
+            text = expand[0].expand(text, expand[1])
         return tokenizer.encode(text, add_special_tokens=False)
 
     try:

@@ -33,6 +33,7 @@ from jax_llm_runtime.runtime.engine.request import (
     SamplingParams,
     TokenLogprobs,
 )
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 
 
 @dataclass(frozen=True)
@@ -180,19 +181,23 @@ async def start_generation(
     metrics: Metrics | None = None,
     n: int = 1,
     prompt_param: str = "messages",
+    images: tuple[ImageInput, ...] = (),
 ) -> list[Generation]:
     """Submit ``n`` completions of the prompt and wait for the first delta of each.
 
     Raises APIError(400) when the engine rejects the submission (a prompt and budget beyond the
     context name ``prompt_param``, the request's field for the prompt), ClientDisconnectedError
     when the client leaves first (the engine requests are aborted), APIError(503) when the engine
-    is not running or shuts down.
+    is not running or shuts down. ``images`` go to a vision-language model with the prompt.
     """
     if not engine.healthy():
         raise APIError(503, "The engine is not running.", code="engine_unhealthy")
     timing = RequestTiming()
     try:
-        streams = engine.generate_n(prompt_ids, sampling, request_id, n)
+        if images:  # engines that take no images never see the argument
+            streams = engine.generate_n(prompt_ids, sampling, request_id, n, images)
+        else:
+            streams = engine.generate_n(prompt_ids, sampling, request_id, n)
     except ValueError as exc:
         raise _rejected(exc, prompt_param) from None
 

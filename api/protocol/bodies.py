@@ -63,15 +63,35 @@ TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 # ----------------------------------------------------------------------------------------- requests
 
 
-class TextContentPart(msgspec.Struct, forbid_unknown_fields=True):
-    """``{"type": "text", "text": ...}``; other part types (images, audio) are a 400.
+class TextContentPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """``{"type": "text", "text": ...}``. Content parts are a tagged union (``ContentPart``), so
+    ``type`` is required; part types other than text and images (audio, files) are a 400."""
 
-    ``type`` is a plain required field: msgspec does not require the tag of a struct that is not
-    in a union, so a tagged struct would accept a part without ``type``.
-    """
-
-    type: Literal["text"]
     text: str
+
+
+MAX_IMAGE_URL_CHARS = 64 * 2**20  # a data: URL; the request body cap bounds it first
+
+
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+    """``url``: a ``data:image/...;base64,`` URL, or an http(s) or file URL the server's media
+    policy allows (``api.generation.media``). ``detail`` is accepted and has no effect: the
+    model's processor fixes the resolution."""
+
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_URL_CHARS)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContentPart(
+    msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True
+):
+    """``{"type": "image_url", "image_url": {"url": ...}}``: an image for a vision-language
+    model (a 400 for a model that takes none)."""
+
+    image_url: ImageURL
+
+
+ContentPart = TextContentPart | ImageContentPart
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -93,18 +113,25 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     answer comes back as a ``tool`` turn with the call's ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: Annotated[list[ToolCallParam], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
 
     def text(self) -> str:
-        """The content as one string; text parts are joined with newlines (none: empty)."""
+        """The content as one string; text parts are joined with newlines (none: empty), image
+        parts left out."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the content's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageContentPart)]
 
 
 Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]

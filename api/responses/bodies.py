@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from jax_llm_runtime.api.protocol.bodies import (
+    MAX_IMAGE_URL_CHARS,
     MAX_MESSAGES,
     MAX_TOOLS,
     NonNegFloat,
@@ -26,13 +27,26 @@ FunctionName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=
 
 
 class InputContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Text of a message: ``input_text`` (what the client says) or ``output_text`` (an earlier
-    assistant message sent back; its ``annotations`` and ``logprobs`` are accepted and unused)."""
+    """A part of a message: ``input_text`` (what the client says), ``output_text`` (an earlier
+    assistant message sent back; its ``annotations`` and ``logprobs`` are accepted and unused),
+    or ``input_image`` with an ``image_url`` (as a chat ``image_url`` part's url: a vision-
+    language model's image; ``detail`` is accepted and has no effect)."""
 
-    type: Literal["input_text", "output_text"]
-    text: str
+    type: Literal["input_text", "output_text", "input_image"]
+    text: str | None = None
+    image_url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_URL_CHARS)] | None = (
+        None
+    )
+    detail: Literal["auto", "low", "high"] | None = None
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "input_image":
+            if self.image_url is None or self.text is not None:
+                raise ValueError("an input_image part takes an image_url (and no text)")
+        elif self.text is None or self.image_url is not None:
+            raise ValueError(f"an {self.type} part takes text (and no image_url)")
 
 
 class InputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -20,7 +20,15 @@ from typing import Any
 import msgspec
 
 from jax_llm_runtime.api.mcp.client import McpClients, namespaced_names
-from jax_llm_runtime.api.protocol.bodies import ChatMessage, FunctionCall, ToolCallParam
+from jax_llm_runtime.api.protocol.bodies import (
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    ImageContentPart,
+    ImageURL,
+    TextContentPart,
+    ToolCallParam,
+)
 from jax_llm_runtime.api.protocol.errors import bad_request
 from jax_llm_runtime.api.responses.bodies import (
     InputContentPart,
@@ -31,7 +39,21 @@ from jax_llm_runtime.api.responses.bodies import (
 
 
 def _text(value: str | list[InputContentPart]) -> str:
-    return value if isinstance(value, str) else "\n".join(part.text for part in value)
+    if isinstance(value, str):
+        return value
+    return "\n".join(part.text for part in value if part.text is not None)
+
+
+def _content(value: str | list[InputContentPart]) -> str | list[ContentPart]:
+    """A message's content for the chat: its text, or with images its parts in order."""
+    if isinstance(value, str) or all(part.image_url is None for part in value):
+        return _text(value)
+    return [
+        ImageContentPart(ImageURL(part.image_url))
+        if part.image_url is not None
+        else TextContentPart(part.text or "")
+        for part in value
+    ]
 
 
 def _need(item: InputItem, index: int, *fields: str) -> None:
@@ -62,7 +84,7 @@ def _append_item(messages: list[ChatMessage], item: InputItem, index: int, mcp: 
     if item.type == "message":
         _need(item, index, "role", "content")
         assert item.role is not None and item.content is not None
-        messages.append(ChatMessage(role=item.role, content=_text(item.content)))
+        messages.append(ChatMessage(role=item.role, content=_content(item.content)))
     elif item.type == "function_call":
         _need(item, index, "call_id", "name", "arguments")
         function = FunctionCall(name=item.name or "", arguments=item.arguments or "")

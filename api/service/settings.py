@@ -98,6 +98,37 @@ class SamplingDefaults:
         return cls(**values)
 
 
+DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
+DEFAULT_MEDIA_FETCH_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Where a request's image URLs may point (``api.generation.media``): ``data:`` URLs
+    always; ``http(s)`` only to ``allowed_domains`` (exact host names, vLLM's
+    ``--allowed-media-domains``); ``file:`` only under ``allowed_local_path`` (vLLM's
+    ``--allowed-local-media-path``). ``max_image_bytes`` caps one image's encoded size and
+    ``fetch_timeout_s`` one fetch."""
+
+    allowed_domains: tuple[str, ...] = ()
+    allowed_local_path: str | None = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    fetch_timeout_s: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "allowed_domains", tuple(d.strip().lower() for d in self.allowed_domains)
+        )
+        if any(not d or "/" in d for d in self.allowed_domains):
+            raise ValueError(
+                f"allowed media domains must be host names, got {self.allowed_domains}"
+            )
+        if self.max_image_bytes < 1:
+            raise ValueError(f"max_image_bytes must be >= 1, got {self.max_image_bytes}")
+        if not (math.isfinite(self.fetch_timeout_s) and self.fetch_timeout_s > 0):
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``create_app`` needs besides the engine.
@@ -112,7 +143,7 @@ class ServerConfig:
     serves no UI. ``request_read_timeout_s``: how long a request's head and body together may
     take to arrive, ``response_write_timeout_s`` how long a client may leave its response unread
     before its connection is closed and its request aborted (0: for ever; both
-    ``api.cli.http_protocol``).
+    ``api.cli.http_protocol``). ``media``: where image URLs may point (``MediaConfig``).
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -131,6 +162,7 @@ class ServerConfig:
     mcp_timeout_s: float = DEFAULT_MCP_TIMEOUT_S
     mcp_max_output_bytes: int = DEFAULT_MCP_MAX_OUTPUT_BYTES
     ui: UiConfig | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)
     # False: with one model served, a request naming another is answered by it (candle-vllm's
     # and llama.cpp's behaviour; their clients send any name); True: such a name is a 404.
     strict_model_names: bool = False

@@ -296,7 +296,9 @@ def step_attention(
     - otherwise a mixed step (decode rows and prefill chunks of several sequences): the ragged
       contract (``ragged_paged_attention``, ``q_starts``).
 
-    ``reference`` runs the jnp reference whatever the backend (MLA's absorbed queries).
+    ``reference`` runs the jnp reference whatever the backend (MLA's absorbed queries); so
+    does a step whose rows carry ``horizons`` (image tokens that attend within their image both
+    ways, ``models.batch``), a mask no kernel has.
     """
     num_seqs = batch.num_seqs
     k_cache, v_cache, k_scales, v_scales = caches
@@ -306,6 +308,8 @@ def step_attention(
     )  # fmt: skip
     if attention_chunk is not None:
         kw["attention_chunk"] = attention_chunk
+    if batch.horizons is not None:  # image tokens attend both ways: only the references can
+        reference, kw["horizons"] = True, batch.horizons
     extra = {} if reference else {"native": native}
     # The TPU kernel takes the ragged layout only, and every step's rows fit it.
     ragged_only = not reference and (
@@ -315,6 +319,8 @@ def step_attention(
     if (num_seqs == 1 or batch.decode_rows) and not ragged_only:
         rows = (None, slice(None)) if num_seqs == 1 else (slice(None), None)
         padded = paged_attention if reference else attention
+        if "horizons" in kw:
+            kw["horizons"] = kw["horizons"][rows]
         out = padded(
             q[rows], k_cache, v_cache, layer, batch.positions[rows], batch.page_indices,
             batch.kv_lens, **kw, **extra,

@@ -127,12 +127,16 @@ def paged_attention(
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
     attention_chunk: int | jax.Array | None = None,
+    horizons: jax.Array | None = None,  # [num_seqs, q_len] int32, last key position each sees
 ) -> jax.Array:  # [num_seqs, q_len, num_heads, head_dim]
     """Causal attention of each query token over its own sequence's paged K/V.
 
     Key position ``t`` is visible to query position ``p`` iff ``t < kv_lens[s]``, ``t <= p``,
     with a sliding window ``w``, ``t > p - w``, and with an attention chunk ``c`` (Llama 4),
-    ``t // c == p // c``: positions attend within their fixed chunk only. Computation is in float32. With ``k_scales`` and
+    ``t // c == p // c``: positions attend within their fixed chunk only. With ``horizons``,
+    ``t <= horizons[s, i]`` replaces ``t <= p`` (a query may see keys after it: the image
+    tokens of Gemma 3 see their whole image; the window still counts back from ``p``).
+    Computation is in float32. With ``k_scales`` and
     ``v_scales`` (a float8 cache, see ``KVCache``) row ``r`` of K is ``k_cache[r] * k_scales[r]``,
     and likewise for V; scales of masked rows are never used, so they may be NaN. With ``sinks``
     each head's softmax denominator also counts ``exp(sinks[h])`` (see the module docstring).
@@ -157,7 +161,8 @@ def paged_attention(
     scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k) * scale  # [s, kv_heads, group, q_len, kv]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    visible = in_range[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
+    last = positions if horizons is None else horizons  # [num_seqs, q_len]
+    visible = in_range[:, None, :] & (key_pos[None, None, :] <= last[:, :, None])
     if sliding_window is not None:
         visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
     if attention_chunk is not None:
@@ -245,6 +250,7 @@ def ragged_paged_attention(
     v_scales: jax.Array | None = None,  # [num_layers, num_pages, page_size, num_kv_heads]
     sinks: jax.Array | None = None,  # [num_heads] float, each head's sink logit
     attention_chunk: int | jax.Array | None = None,
+    horizons: jax.Array | None = None,  # [num_tokens] int32, last key position each row sees
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """``paged_attention`` over a flat run of query rows mixing several sequences.
 
@@ -270,17 +276,20 @@ def ragged_paged_attention(
     lens = jnp.where(valid, kv_lens[seq], 0)  # padding rows see no key
     positions = positions.astype(jnp.int32)
 
+    last = positions if horizons is None else horizons.astype(jnp.int32)
+
     def attend(xs: tuple[jax.Array, ...]) -> jax.Array:  # [ROW_BLOCK, num_heads, head_dim]
-        q_b, pos_b, pages_b, lens_b = xs
+        q_b, pos_b, pages_b, lens_b, last_b = xs
         out = paged_attention(
             q_b[:, None], k_cache, v_cache, layer, pos_b[:, None], pages_b, lens_b,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
             k_scales=k_scales, v_scales=v_scales, sinks=sinks,
-            attention_chunk=attention_chunk,
+            attention_chunk=attention_chunk, horizons=last_b[:, None],
         )  # fmt: skip
         return out[:, 0]
 
-    blocks = [_row_blocks(x, ROW_BLOCK) for x in (q, positions, page_indices[seq], lens)]
+    rows = (q, positions, page_indices[seq], lens, last)
+    blocks = [_row_blocks(x, ROW_BLOCK) for x in rows]
     out = jax.lax.map(attend, tuple(blocks)).reshape(-1, *q.shape[1:])[:num_tokens]
     seen = sees_a_key(positions, lens, sliding_window, attention_chunk)
     return jnp.where(seen[:, None, None], out, 0).astype(q.dtype)

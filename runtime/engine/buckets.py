@@ -6,7 +6,7 @@ import bisect
 from dataclasses import dataclass
 
 
-def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
+def geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
     """start, start*factor, ... capped by stop, always ending with stop."""
     values, v = [], start
     while v < stop:
@@ -65,9 +65,9 @@ class BucketPlan:
         # Mixed steps need a bucket above the decode rows (see ``mixed_lens``).
         top = max(budget, 2 * max_num_seqs) if mixed and max_num_seqs > 1 else max_chunk
         return cls(
-            decode_seqs=_geometric(1, max_num_seqs, 2),
-            prefill_lens=_geometric(min(32, top), top, 2),
-            pages=_geometric(min(16, max_pages), max_pages, 2),
+            decode_seqs=geometric(1, max_num_seqs, 2),
+            prefill_lens=geometric(min(32, top), top, 2),
+            pages=geometric(min(16, max_pages), max_pages, 2),
             page_size=page_size,
             max_chunk=max_chunk,
             mixed=mixed,

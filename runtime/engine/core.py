@@ -42,6 +42,8 @@ from jax_llm_runtime.runtime.engine.request import (
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.engine.sequence import Sequence
 from jax_llm_runtime.runtime.engine.stats import EngineStats
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages, image_spans
+from jax_llm_runtime.runtime.multimodal.processor import ImageProcessor
 from jax_llm_runtime.runtime.text.stop_strings import OutputText
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,11 @@ class Engine:
             len(rest),
         )
         background = [(self.runner.compiled, rest)]
+        images = self.runner.images
+        if images is not None and compile_all:
+            images.compiled.compile_now(images.keys())
+        elif images is not None:
+            background.insert(0, (images.compiled, images.keys()))
         if self.embedder is not None:
             if compile_all:
                 seconds = self.embedder.compiled.compile_now(self.embedder.keys())
@@ -180,14 +187,29 @@ class Engine:
         )
 
     # -- requests ----------------------------------------------------------------------------
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        """How this model's images are preprocessed and placed in its prompts; None for a
+        model that takes no images."""
+        return None if self.runner.images is None else self.runner.images.processor
+
     def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[GenerationDelta]:
         """Validate now (``ValueError`` at call time), then stream the request's deltas."""
-        return self.generate_n(prompt_token_ids, sampling, request_id, 1)[0]
+        return self.generate_n(prompt_token_ids, sampling, request_id, 1, images)[0]
 
     def generate_n(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        n: int,
+        images: tuple[ImageInput, ...] = (),
     ) -> list[AsyncIterator[GenerationDelta]]:
         """``n`` independent samples of one prompt, computed once: the first sequence prefills
         the prompt, the others start on its pages (shared by reference count).
@@ -195,11 +217,14 @@ class Engine:
         Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``. The sequences are
         queued at once; closing a stream before it finished aborts that sequence only. Raises
         EngineOverloadedError, queueing nothing, when they would make more than ``max_waiting``
-        sequences wait for a slot.
+        sequences wait for a slot. ``images`` (a vision-language model's, preprocessed by
+        ``image_processor``) go, in order, to the runs of image tokens in the prompt; a count
+        that differs is a ``ValueError``.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self._validate(prompt_token_ids, sampling)
+        seq_images = self._images(prompt_token_ids, images)
         if not self.healthy():
             raise EngineDeadError("the engine is not running")
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -219,7 +244,7 @@ class Engine:
             ]
             seqs[0].forks = seqs[1:]
             for seq, matcher in zip(seqs, matchers, strict=True):
-                seq.matcher = matcher
+                seq.matcher, seq.images = matcher, seq_images
             # Streams exist before the loop thread sees the sequences, so no token can be missed.
             streams = []
             for seq in seqs:
@@ -227,6 +252,24 @@ class Engine:
                 streams.append(self._deltas(seq))
         self._post("add", seqs[0])
         return streams
+
+    def _images(self, prompt: list[int], images: tuple[ImageInput, ...]) -> SequenceImages | None:
+        """Where the prompt's images go; a ValueError when the model takes none, or the prompt's
+        image tokens do not match them."""
+        processor = self.image_processor
+        if processor is None:
+            if images:
+                raise ValueError(f"{self.model_name} does not accept images")
+            return None
+        spans = image_spans(prompt, processor.image_token_id, processor.tokens_per_image)
+        if not spans and not images:
+            return None
+        if len(images) > processor.max_images:
+            raise ValueError(
+                f"the prompt holds {len(images)} images; at most {processor.max_images} are "
+                "accepted (--limit-mm-per-prompt)"
+            )
+        return SequenceImages(tuple(images), tuple(spans))
 
     def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
         """A new matcher for one sequence of a constrained request (GrammarError, a ValueError,

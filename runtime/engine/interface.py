@@ -100,6 +100,11 @@ class EngineClient(Protocol):
         Stream ``i`` has request id ``f"{request_id}-{i}"`` when ``n > 1``; each finishes (or is
         aborted by closing it) on its own. Raises like ``generate``; ``n`` sequences more than
         ``max_num_seqs`` plus ``max_waiting`` could ever hold is a ``ValueError``.
+
+        A vision-language engine (one with an ``image_processor`` attribute that is not None:
+        ``runtime.multimodal.processor.ImageProcessor``) also takes ``images``, a fifth
+        argument: the prompt's images preprocessed by it, for the prompt's runs of image tokens
+        in order. Engines without one are never passed images.
         """
         ...
 

@@ -21,6 +21,7 @@ from jax_llm_runtime.models.registry import ModelSpec
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, to_stored
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
 from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
+from jax_llm_runtime.runtime.engine.image_encoder import ImageEncoder
 from jax_llm_runtime.runtime.engine.request import MAX_STOP_TOKEN_IDS, PENALTY_WINDOW, TokenLogprobs
 from jax_llm_runtime.runtime.engine.sampler import (
     BIAS_SLOTS,
@@ -66,6 +67,7 @@ class ModelRunner:
         decode_steps: int = 1,
         cache_sharding: Any = None,
         multi_step_seqs: int | None = None,
+        images: ImageEncoder | None = None,
     ) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -76,6 +78,7 @@ class ModelRunner:
         self.cache = cache
         self.plan = plan
         self.decode_steps = decode_steps
+        self.images = images  # a vision-language model's image encoder
         self.multi_step_seqs = (
             multi_step_seqs  # multi-step buckets only up to this many (None: all)
         )
@@ -122,11 +125,19 @@ class ModelRunner:
                 most = pick(seqs, min(self.multi_step_seqs, most))
             shapes += [(*s, self.decode_steps) for s in self.plan.decode_shapes() if s[1] <= most]
         first = [s for s in shapes if s[2] == self.plan.pages[0] and s[3] == 1]
+        if self.images is not None:  # the steps that prefill image tokens (models.batch)
+            decode = set(self.plan.decode_shapes())
+            shapes += [(*s, 1, IMAGES) for s in self.plan.shapes() if s not in decode]
         rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[3], s[2], s[0], s[1]))
         return first, rest
 
-    def _lower(self, key: tuple[int, int, int, int]) -> Any:
-        batch, meta = host_inputs(_empty_inputs(*key[:3], self.vocab_size), self.input_sharding)
+    def _lower(self, key: tuple[Any, ...]) -> Any:
+        """A step of ``(num_tokens, num_seqs, pages, steps)``, ``IMAGES`` last for a step that
+        prefills image tokens."""
+        batch, meta = _empty_inputs(*key[:3], self.vocab_size)
+        if key[-1] == IMAGES:
+            batch = _with_images(batch, self.config.hidden_size)
+        batch, meta = host_inputs((batch, meta), self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
             return self._step.lower(weights, cache, batch, meta)
@@ -140,7 +151,7 @@ class ModelRunner:
         are copied to the host only when a sequence that samples in this step asked.
         """
         step_batch, meta = self._prepare(batch)
-        steps = batch.num_steps if (*_shape(step_batch), batch.num_steps) in self.compiled else 1
+        steps = batch.num_steps if _key(step_batch, batch.num_steps) in self.compiled else 1
         if steps > 1:
             tokens, _ = self.execute(step_batch, meta, steps)
             return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
@@ -162,7 +173,7 @@ class ModelRunner:
             self.mirror("execute", step_batch, shared, steps)
         if meta.allowed is None:
             meta = meta.replace(allowed=self._all_allowed[step_batch.num_seqs])
-        key = (*_shape(step_batch), steps)
+        key = _key(step_batch, steps)
         if steps > 1:
             tokens, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
             return tokens, None
@@ -219,8 +230,31 @@ class ModelRunner:
         step_batch = StepBatch(
             tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode
         )
+        if self.images is not None and any(_reaches_images(item) for item in items):
+            step_batch = self._image_rows(step_batch, items)
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _image_rows(self, step_batch: StepBatch, items: tuple[ScheduledSeq, ...]) -> StepBatch:
+        """The step's image inputs (``models.batch``): each chunk's image tokens take their
+        image's soft tokens (the encoder runs for a sequence's images when a chunk first
+        reaches them) and see to the end of their image."""
+        batch = _with_images(step_batch, self.config.hidden_size)
+        embeds, rows, horizons = batch.embeds, batch.embed_rows, batch.horizons
+        row = 0
+        for item in items:
+            images, end = item.seq.images, item.start + item.length
+            for i in [] if images is None else images.overlapping(item.start, end):
+                if images.embeds is None:
+                    images.embeds = self.images.encode(images.images)
+                a, b = images.spans[i]
+                lo, hi = max(a, item.start), min(b, end)
+                chunk_rows = slice(row + lo - item.start, row + hi - item.start)
+                embeds[chunk_rows] = images.embeds[i, lo - a : hi - a]
+                rows[chunk_rows] = True
+                horizons[chunk_rows] = b - 1
+            row += item.length
+        return batch
 
     def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(num_tokens, num_seqs) of the compiled shape the batch is padded to."""
@@ -359,6 +393,30 @@ def _host_logprobs(items: tuple[ScheduledSeq, ...], out: SamplerOutput) -> dict[
 def _shape(batch: StepBatch) -> tuple[int, int, int]:
     """(num_tokens, num_seqs, pages): the bucket a prepared batch was padded to."""
     return batch.tokens.shape[0], batch.num_seqs, batch.page_indices.shape[1]
+
+
+IMAGES = "images"  # the last element of the compiled key of a step that prefills image tokens
+
+
+def _key(batch: StepBatch, steps: int) -> tuple[Any, ...]:
+    """The compiled key of a prepared batch run for ``steps`` steps."""
+    return (*_shape(batch), steps) + (() if batch.embeds is None else (IMAGES,))
+
+
+def _reaches_images(item: ScheduledSeq) -> bool:
+    images = item.seq.images
+    return images is not None and bool(images.overlapping(item.start, item.start + item.length))
+
+
+def _with_images(batch: StepBatch, hidden: int) -> StepBatch:
+    """``batch`` with image inputs that change nothing: no row takes an embedding, and every
+    row sees up to its own position (host arrays, filled in by ``_image_rows``)."""
+    num_tokens = batch.tokens.shape[0]
+    return batch.replace(
+        embeds=np.zeros((num_tokens, hidden), np.float32),
+        embed_rows=np.zeros(num_tokens, bool),
+        horizons=np.array(batch.positions, np.int32),
+    )
 
 
 def _empty_inputs(

@@ -21,10 +21,14 @@ class OutOfPagesError(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
-def page_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """SHA-256 of a full page's tokens chained to the hash of the page before it."""
+def page_hash(parent: bytes | None, token_ids: Sequence[int], extra: Sequence[bytes] = ()) -> bytes:
+    """SHA-256 of a full page's tokens chained to the hash of the page before it; ``extra``
+    are the digests of the images whose soft tokens the page holds (their placeholder tokens
+    are alike for every image), so that pages of different images never match."""
     h = hashlib.sha256(parent or b"")
     h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    for digest in extra:
+        h.update(digest)
     return h.digest()
 
 

@@ -17,7 +17,12 @@ Prefix caching: every full page a sequence computes is registered under its pref
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
 registered prefix, by reference count, and computes only the rest. At least one token is always
 left to compute, since its logits give the next sample. Full pages are never written again, so
-sharing them is safe.
+sharing them is safe. A page holding image soft tokens is registered under the images' digests
+too, so prompts alike but for their images share no page.
+
+Images (vision-language prompts): the soft tokens of one image attend to each other both ways,
+so a chunk never ends inside an image: it ends before the image, or grows to its end (past the
+budget if need be, up to ``max_step_tokens``).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Scheduler:
         multi_step_seqs: int | None = None,
         prefix_cost: int | None = None,
         prefill_only_tokens: int | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -94,6 +100,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens or prefill_chunk_size + max_num_seqs
         # The budget of a step with no decode rows, where no stream waits on it (default: the same).
         self.prefill_only_tokens = prefill_only_tokens or self.max_num_batched_tokens
+        # The most tokens a step may run when a chunk grows past the budget to hold a whole
+        # image (the largest compiled token bucket; default: either budget).
+        self.max_step_tokens = max_step_tokens or max(
+            self.max_num_batched_tokens, self.prefill_only_tokens
+        )
         self.mixed = mixed
         self._last_kind: StepKind | None = None  # alternating steps only
         self.decode_steps = decode_steps
@@ -284,7 +295,7 @@ class Scheduler:
             room = (budget or self.max_num_batched_tokens) - cost
             if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
                 break
-            chunk = self._prefill_chunk(seq, room)
+            chunk = self._prefill_chunk(seq, room, used)
             if chunk is None:
                 break
             chunks.append(chunk)
@@ -293,21 +304,27 @@ class Scheduler:
         if chunks and self.prefill_lens:  # the last chunk is cut so that the step fills a bucket
             last = chunks[-1]
             length = fit_tokens(self.prefill_lens, used - last.length, last.length)
+            length = _image_safe_end(last.seq, last.start, last.start + length) - last.start
             chunks[-1] = ScheduledSeq(last.seq, last.start, length)
         return tuple(chunks)
 
     def _has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs
 
-    def _prefill_chunk(self, seq: Sequence, room: int) -> ScheduledSeq | None:
-        """The sequence's next chunk (at most ``room`` tokens), its pages allocated and a
-        waiting sequence moved to the running set; None when its pages cannot be allocated now.
-        (A chunk cut shorter afterwards keeps its pages for the next one.)"""
+    def _prefill_chunk(self, seq: Sequence, room: float, used: int = 0) -> ScheduledSeq | None:
+        """The sequence's next chunk (at most ``room`` tokens, unless it must grow to hold a
+        whole image), its pages allocated and a waiting sequence moved to the running set; None
+        when its pages cannot be allocated now, or its image does not fit the step beside the
+        ``used`` tokens. (A chunk cut shorter afterwards keeps its pages for the next one.)"""
         reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
         affordable = chunk_tokens(seq.num_computed, room, self.prefix_cost)
         length = min(seq.num_pending, self.prefill_chunk_size, affordable)
+        start = seq.num_computed
+        safe = _image_safe_end(seq, start, start + length) - start
+        too_long = safe > length and used + safe > self.max_step_tokens  # grown for an image
+        length = safe
         needed = self._pages_needed(seq, seq.num_computed + length)
-        if not self.allocator.can_allocate(needed):
+        if too_long or not self.allocator.can_allocate(needed):
             if reused:  # give the cached pages back until it can start
                 self._release_pages(seq)
             return None
@@ -361,8 +378,10 @@ class Scheduler:
         ps, hashes = self.page_size, seq.page_hashes
         while len(hashes) < num_pages:
             i = len(hashes)
+            start, stop = i * ps, i * ps + ps
+            images = () if seq.images is None else seq.images.digests(start, stop)
             hashes.append(
-                page_hash(hashes[-1] if i else None, seq.token_slice(i * ps, i * ps + ps))
+                page_hash(hashes[-1] if i else None, seq.token_slice(start, stop), images)
             )
         return hashes[:num_pages]
 
@@ -411,6 +430,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def _image_safe_end(seq: Sequence, start: int, stop: int) -> int:
+    """``stop``, or where a chunk from ``start`` must end instead so that it cuts no image
+    (``SequenceImages.safe_end``)."""
+    return stop if seq.images is None else seq.images.safe_end(start, stop)
 
 
 def chunk_cost(start: int, length: int, prefix_cost: int | None) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from jax_llm_runtime.runtime.engine.grammar import GrammarMatcher
 from jax_llm_runtime.runtime.engine.request import FinishReason, SamplingParams
+from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +45,8 @@ class Sequence:
     matcher: GrammarMatcher | None = None
     # n > 1: sibling sequences parked until this one's prompt is computed, then started on its pages.
     forks: list[Sequence] = field(default_factory=list)
+    # A vision-language prompt's images (its forks share them): where their soft tokens go.
+    images: SequenceImages | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from jax_llm_runtime.runtime.config import EngineConfig
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan
 from jax_llm_runtime.runtime.engine.core import Engine
 from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner
+from jax_llm_runtime.runtime.engine.image_encoder import ImageEncoder
 from jax_llm_runtime.runtime.engine.model_runner import ModelRunner
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
 from jax_llm_runtime.runtime.engine.scheduler import Scheduler, prefix_cost_positions
@@ -29,6 +30,12 @@ from jax_llm_runtime.runtime.loading.cache_size import auto_kvcache_mb
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint, load_gguf_checkpoint
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.loading.sources import ModelFiles, cache_root, resolve_model_source
+from jax_llm_runtime.runtime.loading.vision import (
+    LoadedVision,
+    VisionTensors,
+    image_encoder,
+    load_vision,
+)
 from jax_llm_runtime.runtime.loading.xla_cache import enable_compilation_cache
 from jax_llm_runtime.runtime.parallel.data_parallel import DataParallelEngine
 from jax_llm_runtime.runtime.parallel.expert_offload_plan import (
@@ -102,6 +109,7 @@ class LoadedModel:
     dtype: jnp.dtype  # the run dtype ("auto" resolved)
     # the HF-style config the model config was translated from (a prepared checkpoint keeps it)
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    vision: LoadedVision | None = None  # a vision-language model's image encoder
 
 
 def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
@@ -122,8 +130,17 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     tokenizer = load_tokenizer(files)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
+    vision_tensors = VisionTensors(spec) if spec.vision is not None else None
+    if vision_tensors is not None:
+        tensors = vision_tensors.text_tensors(tensors)
     weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
-    return LoadedModel(files, spec, model_config, weights, tokenizer, dtype, checkpoint.config)
+    vision = None
+    if vision_tensors is not None:
+        folder = files.path if files.kind != "gguf" else None
+        vision = load_vision(vision_tensors, checkpoint.config, dtype, folder)
+    return LoadedModel(
+        files, spec, model_config, weights, tokenizer, dtype, checkpoint.config, vision
+    )
 
 
 def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[ModelSpec, Any]:
@@ -162,7 +179,7 @@ def _build_replica(
     config: EngineConfig, model: LoadedModel, devices: Sequence[int] | None
 ) -> Engine:
     """One engine on ``devices`` (its tensor-parallel mesh) with its own KV cache."""
-    files, spec, model_config = model.files, model.spec, model.config
+    spec, model_config = model.spec, model.config
     weights, tokenizer, dtype = model.weights, model.tokenizer, model.dtype
     mesh = build_mesh(devices, config.tensor_parallel_size)
     if mesh is not None:
@@ -184,7 +201,10 @@ def _build_replica(
     if mesh is not None:
         cache_shardings = cache_sharding(abstract_cache, mesh)
     mixed = mixed_steps(model_config, abstract_cache, dtype)
-    plan, budget, prefill_only = _plan(config, max_model_len, mixed)
+    images = None
+    if model.vision is not None:
+        images = image_encoder(spec, model.vision, tokenizer, config.limit_mm_per_prompt)
+    plan, budget, prefill_only = _plan(config, max_model_len, mixed, images)
     decode_steps, multi_step_seqs = _decode_steps(config)
     runner = ModelRunner(
         spec,
@@ -196,40 +216,58 @@ def _build_replica(
         decode_steps=decode_steps,
         cache_sharding=cache_shardings,
         multi_step_seqs=multi_step_seqs,
+        images=images,
     )
     scheduler = _scheduler(
         config, model_config, tokenizer, plan, num_pages, max_model_len, mixed,
         (budget, prefill_only), (decode_steps, multi_step_seqs),
     )  # fmt: skip
-    name = config.served_model_name or files.name
+    engine = _engine(config, model, runner, scheduler, max_model_len)
+    engine.kernel_choices = kernels
+    return engine
+
+
+def _engine(
+    config: EngineConfig,
+    model: LoadedModel,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    max_model_len: int,
+) -> Engine:
+    """The engine over a replica's runner and scheduler, with the cache-free forward of
+    models that have one (embeddings, prompt scoring) on the runner's config and weights."""
     embedder = None
-    if spec.hidden_states is not None:
-        embedder = EmbeddingRunner(spec, model_config, weights, max_model_len)
-    engine = Engine(
+    if model.spec.hidden_states is not None:
+        embedder = EmbeddingRunner(model.spec, runner.config, runner.weights, max_model_len)
+    return Engine(
         runner,
         scheduler,
-        tokenizer,
-        name,
+        model.tokenizer,
+        config.served_model_name or model.files.name,
         max_model_len,
         seed=config.seed,
         embedder=embedder,
         max_waiting=config.max_waiting,
     )
-    engine.kernel_choices = kernels
-    return engine
 
 
-def _plan(config: EngineConfig, max_model_len: int, mixed: bool) -> tuple[BucketPlan, int, int]:
+def _plan(
+    config: EngineConfig, max_model_len: int, mixed: bool, images: ImageEncoder | None = None
+) -> tuple[BucketPlan, int, int]:
     """The compiled buckets, and the step's token budget with and without decode rows (the
-    buckets cover the larger)."""
+    buckets cover the larger, and with images one image's tokens beside every decode row: a
+    chunk never cuts an image, see ``runtime.engine.scheduler``)."""
     budget = config.batched_tokens(jax.default_backend(), max_model_len)
     prefill_only = config.prefill_only_tokens(jax.default_backend(), max_model_len)
+    top = max(budget, prefill_only)
+    if images is not None:
+        top = max(top, images.tokens_per_image + config.max_num_seqs)
     plan = BucketPlan.build(
         config.max_num_seqs,
         max_model_len,
         config.prefill_chunk_size,
         config.page_size,
-        max(budget, prefill_only),
+        top,
         mixed=mixed,
     )
     return plan, budget, prefill_only
@@ -275,6 +313,7 @@ def _scheduler(
         mixed=mixed,
         multi_step_seqs=decode[1],
         prefix_cost=prefix_cost_positions(model_config, cost),
+        max_step_tokens=plan.prefill_lens[-1],
     )
 
 

@@ -22,6 +22,7 @@ from jax_llm_runtime.runtime.engine.embedder import Pooling
 from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
 from jax_llm_runtime.runtime.engine.request import GenerationDelta, SamplingParams, TokenLogprobs
 from jax_llm_runtime.runtime.engine.stats import EngineStats
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 
 
 class DataParallelEngine:
@@ -38,6 +39,8 @@ class DataParallelEngine:
         self.kernel_choices = dict(getattr(first, "kernel_choices", {}))
         self.max_model_len = first.max_model_len
         self.tokenizer = first.tokenizer
+        # A vision-language model's (None otherwise): see EngineClient.generate_n.
+        self.image_processor = getattr(first, "image_processor", None)
         self.compile_done = threading.Event()
         self._picking = threading.Lock()
 
@@ -72,12 +75,21 @@ class DataParallelEngine:
         return [self.replicas[i] for i in order]
 
     def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[GenerationDelta]:
-        return self.generate_n(prompt_token_ids, sampling, request_id, 1)[0]
+        return self.generate_n(prompt_token_ids, sampling, request_id, 1, images)[0]
 
     def generate_n(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, n: int
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        n: int,
+        images: tuple[ImageInput, ...] = (),
     ) -> list[AsyncIterator[GenerationDelta]]:
         """Queue the request on the least loaded replica that has room; EngineOverloadedError
         when none has."""
@@ -85,7 +97,8 @@ class DataParallelEngine:
         with self._picking:  # two requests at once would both pick the same idle replica
             for engine in self._by_load():
                 try:
-                    return engine.generate_n(prompt_token_ids, sampling, request_id, n)
+                    extra = (images,) if images else ()  # only a vision engine takes images
+                    return engine.generate_n(prompt_token_ids, sampling, request_id, n, *extra)
                 except EngineOverloadedError as exc:
                     overloaded = exc
         assert overloaded is not None

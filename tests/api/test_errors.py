@@ -84,8 +84,12 @@ def test_missing_messages_names_the_param(client: Client) -> None:
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url.url",
         ),
         ({"frobnicate": True}, "frobnicate"),
     ],

@@ -1,0 +1,99 @@
+"""What every image encoder of a vision-language model provides (``VisionSpec``), the split
+encoder the engine holds (``VisionWeights``), and its strict checkpoint loading.
+
+An encoder turns preprocessed pixels ``[num_images, 3, size, size]`` into the soft tokens
+``[num_images, tokens_per_image, text_hidden]`` that replace the embeddings of a prompt's image
+tokens. Its weights live beside the text model's in the checkpoint, under
+``checkpoint_prefixes``; the text model's rules skip them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jax_llm_runtime.models.weights import WeightLoadError
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """``config_from_hf(hf)`` -> the encoder config (``tokens_per_image``, ``image_size``,
+    ``image_token_id``, ``boi_token_id``, ``eoi_token_id``); ``load(config, tensors, dtype)``
+    -> ``VisionWeights`` from the HF tensors named under ``checkpoint_prefixes``;
+    ``encode(config, weights, pixels)`` -> soft tokens (pure; the engine jits it).
+    ``rename`` spells a checkpoint name the way ``checkpoint_prefixes`` and ``load`` read it."""
+
+    config_from_hf: Callable[[dict[str, Any]], Any]
+    load: Callable[[Any, Mapping[str, np.ndarray], Any], Any]
+    encode: Callable[..., Any]
+    checkpoint_prefixes: tuple[str, ...]
+    rename: Callable[[str], str] = lambda name: name
+
+    def owns(self, name: str) -> bool:
+        """Whether a checkpoint tensor (named as ``rename`` spells it) belongs to the encoder."""
+        return name.startswith(self.checkpoint_prefixes)
+
+    def split_tensors(
+        self, tensors: Iterable[tuple[str, Any]], captured: dict[str, np.ndarray]
+    ) -> Iterator[tuple[str, Any]]:
+        """The text model's tensors of a checkpoint stream; the encoder's go to ``captured``
+        (as host arrays, under ``rename``'s names) as the stream passes them."""
+        for name, value in tensors:
+            canonical = self.rename(name)
+            if self.owns(canonical):
+                captured[canonical] = np.asarray(value)
+            else:
+                yield name, value
+
+
+@struct.dataclass
+class VisionWeights:
+    """An ``nnx.split`` encoder: its static graph definition and its state."""
+
+    graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+    state: Any
+
+
+def _value(name: str, path: tuple[Any, ...], tensor: np.ndarray) -> np.ndarray:
+    """HF's layout to ours: linear weights ``[out, in]`` (a patch convolution's
+    ``[out, channels, rows, columns]``) become ``[in, out]`` kernels."""
+    if path[-1] != "kernel":
+        return tensor
+    if tensor.ndim == 4:
+        tensor = tensor.reshape(tensor.shape[0], -1)
+    if tensor.ndim != 2:
+        raise WeightLoadError(f"{name}: expected a matrix, got shape {tensor.shape}")
+    return tensor.T
+
+
+def load_vision(
+    module: nnx.Module,
+    names: Mapping[str, tuple[Any, ...]],
+    tensors: Mapping[str, np.ndarray],
+    dtype: jnp.dtype,
+) -> VisionWeights:
+    """Fill ``module``'s parameters from ``tensors`` through ``names`` (HF name -> state
+    path). A tensor with no parameter, a parameter with no tensor, or a shape mismatch is a
+    ``WeightLoadError`` naming the key."""
+    graphdef, state = nnx.split(module)
+    flat = dict(nnx.to_flat_state(state))
+    filled: set[tuple[Any, ...]] = set()
+    for name, tensor in tensors.items():
+        path = names.get(name)
+        if path is None or path not in flat:
+            raise WeightLoadError(f"{name}: no vision parameter takes this checkpoint tensor")
+        value = _value(name, path, np.asarray(tensor))
+        expected = flat[path].get_value().shape
+        if value.shape != expected:
+            raise WeightLoadError(f"{name}: shape {value.shape}, the model declares {expected}")
+        flat[path].set_value(jnp.asarray(value, dtype))
+        filled.add(path)
+    missing = [name for name, path in names.items() if path not in filled]
+    if missing:
+        raise WeightLoadError(f"the checkpoint lacks the vision tensor {missing[0]}")
+    return VisionWeights(graphdef, nnx.from_flat_state(flat))

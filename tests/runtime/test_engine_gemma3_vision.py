@@ -1,0 +1,199 @@
+"""A tiny Gemma 3 vision-language model through the whole engine: greedy tokens equal HF's
+``generate`` with the same images while prompts are prefilled in chunks that meet the images;
+prompts alike but for their images share no prefix-cache page of an image, and the same image
+again does; text prompts still run; a prompt whose image tokens do not match its images is
+refused."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
+from tests.models import gemma3_vision_fixture as fx
+
+NEW_TOKENS = 8
+PAGE_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def saved(gemma3_vision_checkpoint):
+    return gemma3_vision_checkpoint
+
+
+def _config(folder: Path, **changes):
+    from jax_llm_runtime.runtime.config import EngineConfig
+
+    settings = dict(
+        model_id=str(folder), max_num_seqs=2, max_model_len=96, dtype="float32",
+        page_size=PAGE_SIZE, prefill_chunk_size=PAGE_SIZE, max_num_batched_tokens=12,
+        decode_steps=1, kvcache_mem_mb=1,
+    )  # fmt: skip
+    return EngineConfig(**(settings | changes))
+
+
+@pytest.fixture(scope="module")
+def served(saved):
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, hf_model = saved
+    engine = build_engine(_config(folder))
+    engine.start()
+    yield engine, hf_model
+    engine.shutdown()
+
+
+def _prompt(num_images: int, text: bytes = b"describe:") -> list[int]:
+    ids = [256, *text]
+    for _ in range(num_images):
+        ids += fx.image_sequence() + list(b"ok")
+    return ids
+
+
+def _run(engine, ids: list[int], images: tuple[ImageInput, ...], rid: str):
+    async def go() -> tuple[list[int], int]:
+        out, cached = [], 0
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        async for delta in engine.generate(ids, sampling, rid, images):
+            out += delta.token_ids
+            cached = delta.num_cached_tokens
+        return out, cached
+
+    return asyncio.run(go())
+
+
+def _hf_greedy(hf_model, ids: list[int], pixels: np.ndarray) -> list[int]:
+    import torch
+
+    input_ids = torch.tensor([ids])
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=input_ids, pixel_values=torch.from_numpy(pixels),
+            token_type_ids=(input_ids == fx.IMAGE_ID).long(),
+            attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def _inputs(engine, images) -> tuple[ImageInput, ...]:
+    return tuple(engine.image_processor.preprocess(image) for image in images)
+
+
+def test_greedy_matches_hf_with_chunked_prefill(served) -> None:
+    engine, hf_model = served
+    for num_images in (1, 2):
+        images = fx.random_images(num_images, seed=10 + num_images)
+        inputs = _inputs(engine, images)
+        ids = _prompt(num_images)
+        got, _ = _run(engine, ids, inputs, f"greedy-{num_images}")
+        pixels = np.stack([i.pixels for i in inputs])
+        assert got == _hf_greedy(hf_model, ids, pixels)
+
+
+def test_concurrent_prompts_with_images(served) -> None:
+    """Prompts with different images at once: their chunks share steps with each other's
+    decode rows (mixed steps where the CPU's ragged attention allows them), and each gets
+    HF's greedy tokens."""
+    engine, hf_model = served
+    inputs = [_inputs(engine, fx.random_images(n, seed=50 + n)) for n in (1, 2)]
+    prompts = [_prompt(1, b"first:"), _prompt(2, b"second, longer:")]
+
+    async def both() -> list[list[int]]:
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+        async def one(i: int) -> list[int]:
+            out = []
+            async for delta in engine.generate(prompts[i], sampling, f"both-{i}", inputs[i]):
+                out += delta.token_ids
+            return out
+
+        return list(await asyncio.gather(one(0), one(1)))
+
+    got = asyncio.run(both())
+    for ids, images, tokens in zip(prompts, inputs, got, strict=True):
+        pixels = np.stack([image.pixels for image in images])
+        assert tokens == _hf_greedy(hf_model, ids, pixels)
+
+
+def test_prefix_cache_keys_include_images(served) -> None:
+    engine, hf_model = served
+    first, second = (_inputs(engine, fx.random_images(1, seed=s)) for s in (20, 21))
+    ids = _prompt(1, b"a longer prefix of text:")  # its image starts at position 27
+    image_start = ids.index(fx.IMAGE_ID)
+    a, _ = _run(engine, ids, first, "cache-a")
+    b, cached_b = _run(engine, ids, second, "cache-b")
+    # Only the pages before the image are shared.
+    assert cached_b == image_start // PAGE_SIZE * PAGE_SIZE
+    again, cached_again = _run(engine, ids, first, "cache-a-again")
+    assert cached_again >= image_start + fx.TOKENS_PER_IMAGE  # the image's pages too
+    assert again == a
+    assert b == _hf_greedy(hf_model, ids, second[0].pixels[None])
+
+
+def test_image_traffic_compiles_nothing_after_startup(served) -> None:
+    """The image encoder's batch sizes and the steps that prefill image tokens are compiled
+    with the other buckets, before serving traffic needs them."""
+    import jax
+
+    engine, _ = served
+    assert engine.compile_done.wait(timeout=300)
+    events: list[str] = []
+
+    def listener(event: str, *_args, **_kwargs) -> None:
+        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for n in (1, 2):
+            inputs = _inputs(engine, fx.random_images(n, seed=40 + n))
+            _run(engine, _prompt(n), inputs, f"no-compile-{n}")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+
+
+def test_text_prompts_and_mismatched_images(served) -> None:
+    engine, _ = served
+    text, _ = _run(engine, [256, *b"just text"], (), "text")
+    assert len(text) == NEW_TOKENS
+    images = _inputs(engine, fx.random_images(2))
+    with pytest.raises(ValueError, match="image"):
+        _run(engine, _prompt(1), images, "mismatch")
+    with pytest.raises(ValueError, match="image tokens in a row"):
+        _run(engine, [256, fx.IMAGE_ID, 65], (), "stray")
+
+
+def test_preemption_recomputes_with_the_same_image(saved) -> None:
+    """A sequence preempted after its image was prefilled is recomputed from its tokens (no
+    prefix cache here, so the image's tokens too) with the soft tokens it kept: the encoder runs
+    once, and the greedy tokens are HF's."""
+    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+    from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages, image_spans
+
+    folder, hf_model = saved
+    engine = build_engine(_config(folder, prefix_cache=False))  # driven here, not started
+    scheduler, runner = engine.scheduler, engine.runner
+    encoded = []
+    encode = runner.images.encode
+    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
+    inputs = _inputs(engine, fx.random_images(1, seed=30))
+    ids = _prompt(1)
+    spans = image_spans(ids, fx.IMAGE_ID, fx.TOKENS_PER_IMAGE)
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seq = Sequence("p", ids, sampling, 0, 1, images=SequenceImages(inputs, tuple(spans)))
+    scheduler.add(seq)
+    while seq.status is not SequenceStatus.FINISHED:
+        batch = scheduler.schedule()
+        scheduler.update(batch, runner.run(batch).token_ids)
+        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
+            scheduler._preempt(seq)
+    assert seq.num_preemptions == 1 and encoded == [1]
+    assert seq.output_ids == _hf_greedy(hf_model, ids, inputs[0].pixels[None])
