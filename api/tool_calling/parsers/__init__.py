@@ -97,6 +97,7 @@ from jax_llm_runtime.api.tool_calling.parsers.detect import parser_for_template
 from jax_llm_runtime.api.tool_calling.parsers.events import (
     ContentDelta,
     ParsedOutput,
+    ReasoningDelta,
     StreamEvent,
     ToolCall,
     ToolCallDelta,
@@ -109,7 +110,13 @@ from jax_llm_runtime.api.tool_calling.parsers.formats import (
     Llama3JsonParser,
     MistralParser,
 )
+from jax_llm_runtime.api.tool_calling.parsers.harmony import HarmonyParser, HarmonyStream
 from jax_llm_runtime.api.tool_calling.parsers.stream import ToolCallStream, ToolParser
+from jax_llm_runtime.api.tool_calling.parsers.xml_calls import (
+    Glm45Parser,
+    MiniMaxM2Parser,
+    Qwen3CoderParser,
+)
 
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
@@ -119,13 +126,19 @@ PARSERS: dict[str, type[ToolParser]] = {
         Llama3FunctionParser,
         HermesParser,
         JsonParser,
+        Qwen3CoderParser,
+        Glm45Parser,
+        MiniMaxM2Parser,
+        HarmonyParser,
     )
 }
 
 __all__ = [
     "PARSERS",
     "ContentDelta",
+    "HarmonyStream",
     "ParsedOutput",
+    "ReasoningDelta",
     "StreamEvent",
     "ToolCall",
     "ToolCallDelta",
