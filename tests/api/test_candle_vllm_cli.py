@@ -279,7 +279,6 @@ def test_unix_socket_addresses(
         ("--m x --kvcache-mem-cpu 0", "--kvcache-mem-cpu"),
         ("--m x --prefix-cache-max-tokens 4096", "--prefix-cache-max-tokens"),
         ("--m x --disable-cuda-graph", "--disable-cuda-graph"),
-        ("--m x --enforce-parser qwen_coder", "--enforce-parser qwen_coder"),
         ("--w {weights} --kvcache-dtype turbo4", "--kvcache-dtype turbo4"),
     ],
 )
@@ -316,7 +315,6 @@ def test_each_ignored_flag_warns_once(
         monkeypatch,
     )
     assert [line.split(" ")[2] for line in parsed.warnings] == [
-        "--enforce-parser",
         "--kv-fraction",
         "--yarn-scaling-factor",
     ]
@@ -326,7 +324,8 @@ def test_each_ignored_flag_warns_once(
 
 
 @pytest.mark.parametrize(
-    ("parser", "ours"), [("qwen", "hermes"), ("json", "json"), ("mistral", "mistral")]
+    ("parser", "ours"),
+    [("qwen", "hermes"), ("json", "json"), ("mistral", "mistral"), ("qwen_coder", "qwen3_coder")],
 )
 def test_enforce_parser_picks_our_tool_parser(
     parser: str, ours: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

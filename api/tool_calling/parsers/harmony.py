@@ -206,23 +206,23 @@ class HarmonyLexer:
         return True
 
 
-class _Route(enum.Enum):
+class Route(enum.Enum):
     CONTENT = "content"
     REASONING = "reasoning"
     CALL = "call"
     DROP = "drop"
 
 
-def route(header: Header) -> _Route:
+def route(header: Header) -> Route:
     """Where a message's body goes: a call to ``functions.NAME`` (on any channel) is a tool call;
     one to another recipient (a built-in tool such as ``browser.search`` or ``python``, which
     this server does not run) is dropped; ``analysis`` is reasoning; the rest is content."""
     if header.recipient:
         name = header.recipient.removeprefix(FUNCTIONS)
         if header.recipient.startswith(FUNCTIONS) and _NAME.fullmatch(name):
-            return _Route.CALL
-        return _Route.DROP
-    return _Route.REASONING if header.channel == "analysis" else _Route.CONTENT
+            return Route.CALL
+        return Route.DROP
+    return Route.REASONING if header.channel == "analysis" else Route.CONTENT
 
 
 class HarmonyStream:
@@ -235,7 +235,7 @@ class HarmonyStream:
     def __init__(self, new_id: Callable[[], str]) -> None:
         self._lexer = HarmonyLexer()
         self._new_id = new_id
-        self._route = _Route.CONTENT
+        self._route = Route.CONTENT
         self._calls = 0
         self._held_ws = ""
         self._args_sent = False
@@ -253,7 +253,7 @@ class HarmonyStream:
         return self._events(self._lexer.feed("", final=True))
 
     def call_open(self) -> bool:
-        return self._route is _Route.CALL
+        return self._route is Route.CALL
 
     def _events(self, segments: list[Segment]) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -266,25 +266,25 @@ class HarmonyStream:
             elif segment.kind is Kind.BODY:
                 self._body(segment.text, events)
             else:
-                if self._route is _Route.CALL and not self._args_sent:
+                if self._route is Route.CALL and not self._args_sent:
                     events.append(ToolCallDelta(self._calls - 1, "{}"))
-                self._route = _Route.CONTENT
+                self._route = Route.CONTENT
         return _merged(events)
 
     def _open(self, header: Header, events: list[StreamEvent]) -> None:
         self._route = route(header)
-        if self._route is _Route.CALL:
+        if self._route is Route.CALL:
             name = header.recipient.removeprefix(FUNCTIONS)
             events.append(ToolCallDelta(self._calls, "", id=self._new_id(), name=name))
             self._calls += 1
             self._held_ws, self._args_sent = "", False
 
     def _body(self, text: str, events: list[StreamEvent]) -> None:
-        if self._route is _Route.CONTENT:
+        if self._route is Route.CONTENT:
             events.append(ContentDelta(text))
-        elif self._route is _Route.REASONING:
+        elif self._route is Route.REASONING:
             events.append(ReasoningDelta(text))
-        elif self._route is _Route.CALL:
+        elif self._route is Route.CALL:
             text = self._held_ws + text
             if not self._args_sent:
                 text = text.lstrip(JSON_WS)
