@@ -1092,6 +1092,136 @@ def test_generated_calls_round_trip(
     assert without_ids(collect(stream(parser, pieces))) == without_ids(parsed)
 
 
+# Hypothesis: calls in the XML formats, their values typed by the schema, come back exactly.
+
+_plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categories=("Cs",)))
+_xml_scalars = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+)
+xml_values = (
+    _plain.map(str.strip)
+    | _xml_scalars
+    | st.recursive(
+        _xml_scalars | _plain,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_plain, inner, max_size=3),
+        max_leaves=6,
+    ).filter(lambda v: isinstance(v, list | dict))
+)
+xml_calls = st.lists(
+    st.tuples(names, st.dictionaries(names, xml_values, max_size=4)),
+    min_size=1,
+    max_size=3,
+    unique_by=lambda item: item[0],  # one schema per function
+)
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", type(None): "null"}
+
+
+def xml_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def render_xml(parser: str, before: str, items: list[tuple[str, dict[str, Any]]]) -> str:
+    """``items`` written as the XML formats' templates write them."""
+    if parser == "qwen3_coder":
+        blocks = (
+            f"<tool_call>\n<function={name}>\n"
+            + "".join(f"<parameter={k}>\n{xml_value(v)}\n</parameter>\n" for k, v in args.items())
+            + "</function>\n</tool_call>"
+            for name, args in items
+        )
+        return before + "\n".join(blocks)
+    if parser == "glm45":
+        blocks = (
+            f"<tool_call>{name}\n"
+            + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{xml_value(v)}</arg_value>\n"
+                for k, v in args.items()
+            )
+            + "</tool_call>"
+            for name, args in items
+        )
+        return before + "\n".join(blocks)
+    invokes = (
+        f'<invoke name="{name}">\n'
+        + "".join(f'<parameter name="{k}">{xml_value(v)}</parameter>\n' for k, v in args.items())
+        + "</invoke>\n"
+        for name, args in items
+    )
+    return before + "<minimax:tool_call>\n" + "".join(invokes) + "</minimax:tool_call>"
+
+
+def schema_of(value: Any) -> dict[str, str]:
+    if isinstance(value, str):
+        return {"type": "string"}
+    if isinstance(value, list | dict):
+        return {"type": "array" if isinstance(value, list) else "object"}
+    return {"type": _JSON_TYPE[type(value)]}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parser=st.sampled_from(XML_FORMATS), before=prose, items=xml_calls, data=st.data())
+def test_xml_calls_round_trip(
+    parser: str, before: str, items: list[tuple[str, dict[str, Any]]], data: Any
+) -> None:
+    tools = []
+    for name, args in items:
+        properties = {k: schema_of(v) for k, v in args.items()}
+        tools.insert(
+            0,
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "parameters": {"type": "object", "properties": properties},
+                },
+            },
+        )
+    text = render_xml(parser, before, items)
+    parsed = PARSERS[parser](tools).parse(text)
+    assert parsed.content == (before.rstrip() or None)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == items
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert without_ids(collect(stream(parser, pieces, tools))) == without_ids(parsed)
+
+
+# Hypothesis: harmony replies of reasoning, preambles and calls come back exactly.
+
+harmony_text = st.text(
+    alphabet=st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), min_size=1
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    analysis=harmony_text,
+    answer=harmony_text,
+    items=calls,
+    final=st.booleans(),
+    data=st.data(),
+)
+def test_harmony_round_trip(
+    analysis: str, answer: str, items: list[tuple[str, dict[str, Any]]], final: bool, data: Any
+) -> None:
+    text = f"<|channel|>analysis<|message|>{analysis}<|end|>"
+    if final:
+        text += f"<|start|>assistant<|channel|>final<|message|>{answer}<|return|>"
+    else:
+        text += f"<|start|>assistant<|channel|>commentary<|message|>{answer}<|end|>"
+        for name, args in items:
+            text += (
+                f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json"
+                f"<|message|>{json.dumps(args)}<|call|>"
+            )
+    parsed = PARSERS["openai"]().parse(text)
+    assert (parsed.reasoning, parsed.content) == (analysis, answer)
+    expected = [] if final else [(name, json.dumps(args)) for name, args in items]
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert without_ids(collect(stream("openai", pieces))) == without_ids(parsed)
+
+
 # Template detection.
 
 
