@@ -90,6 +90,7 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--tool-parser",
+        "--tool-call-parser",  # vLLM's spelling; the names are vLLM's too
         choices=TOOL_PARSERS,
         default="auto",
         help="how tool calls are read from replies: auto = the format the chat template names "

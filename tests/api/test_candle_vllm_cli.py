@@ -335,6 +335,15 @@ def test_enforce_parser_picks_our_tool_parser(
     assert parsed.warnings == []
 
 
+@pytest.mark.parametrize("flag", ["--tool-parser", "--tool-call-parser"])
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "minimax_m2", "openai"])
+def test_tool_parser_takes_vllm_names_and_spelling(
+    flag: str, name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed = parse(f"--m x {flag} {name}", capsys, monkeypatch)
+    assert parsed.server.tool_parser == name
+
+
 def _chat(body: dict[str, object]) -> ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
     return msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
