@@ -4,11 +4,11 @@ A template that can render tool calls writes them back into the history in the v
 model was trained to emit, so its source names the markers. Checked in order:
 
 1. ``<|channel|>``: ``openai`` (gpt-oss and its harmony messages).
-2. Arguments written as XML elements, not JSON: ``<arg_key>`` (GLM 4.5+, GLM-4-MoE-lite):
-   ``glm45``; ``<invoke name=`` with ``<minimax:tool_call>`` (MiniMax-M2): ``minimax_m2``;
-   ``<parameter=`` with ``<tool_call>`` or ``<function=`` (Qwen3-Coder, Qwen3.5, Qwen3-Next,
-   Nemotron 3): ``qwen3_coder``. Other XML forms (Seed-OSS's ``<seed:tool_call>``, Ling's,
-   MiniMax-M1's ``<tool_calls>``) have no parser here: None.
+2. Arguments written as XML elements, not JSON: ``<arg_key>`` (GLM 4.5+, GLM-4-MoE-lite, and
+   any other template that writes GLM's pairs): ``glm45``; ``<invoke name=`` with
+   ``<minimax:tool_call>`` (MiniMax-M2): ``minimax_m2``; ``<parameter=`` with ``<tool_call>``
+   or ``<function=`` (Qwen3-Coder, Qwen3.5, Qwen3-Next, Nemotron 3): ``qwen3_coder``. Other
+   XML forms (Seed-OSS's ``<seed:tool_call>``) have no parser here: None.
 3. ``[TOOL_CALLS]``: ``mistral``.
 4. ``<tool_call>``: ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3).
 5. ``<function=``: ``llama3_function`` (Functionary v3.1, custom Llama 3.1 prompts).
