@@ -82,8 +82,13 @@ LOG_LEVELS = {
     "debug": logging.DEBUG,
     "trace": logging.DEBUG,
 }
-# candle-vllm's --enforce-parser values -> --tool-parser (None: no such parser here)
-ENFORCE_PARSERS = {"qwen": "hermes", "json": "json", "mistral": "mistral", "qwen_coder": None}
+# candle-vllm's --enforce-parser values -> --tool-parser
+ENFORCE_PARSERS = {
+    "qwen": "hermes",
+    "json": "json",
+    "mistral": "mistral",
+    "qwen_coder": "qwen3_coder",
+}
 # candle-vllm flags that cannot mean anything here: (flags, argparse options, why ignored)
 IGNORED_FLAGS: tuple[tuple[str, dict[str, object], str], ...] = (
     (
@@ -572,8 +577,8 @@ def _add_candle_vllm_flags(group: argparse._ArgumentGroup) -> None:
         "--enforce-parser",
         choices=tuple(ENFORCE_PARSERS),
         default=None,
-        help="candle-vllm's tool parser choice: qwen = --tool-parser hermes, json and mistral "
-        "the same; qwen_coder is ignored, with a warning (no Qwen3-Coder XML parser here)",
+        help="candle-vllm's tool parser choice: qwen = --tool-parser hermes, qwen_coder = "
+        "--tool-parser qwen3_coder, json and mistral the same",
     )
     for flag, options, why in IGNORED_FLAGS:
         group.add_argument(flag, default=None, help=f"ignored, with a warning: {why}", **options)
@@ -632,14 +637,7 @@ def resolve_compat_flags(
         args.kv_cache_dtype = "fp8"
     warnings += _resolve_bind_address(args)
     if args.enforce_parser is not None:
-        parser = ENFORCE_PARSERS[args.enforce_parser]
-        if parser is None:
-            warnings.append(
-                f"--enforce-parser {args.enforce_parser} ignored: there is no Qwen3-Coder XML "
-                f"tool parser here; --tool-parser {args.tool_parser} reads tool calls"
-            )
-        else:
-            args.tool_parser = parser
+        args.tool_parser = ENFORCE_PARSERS[args.enforce_parser]
     for flag, _, why in IGNORED_FLAGS:
         if getattr(args, flag[2:].replace("-", "_")) is not None:  # given, even as 0
             warnings.append(f"{flag} ignored: {why}")

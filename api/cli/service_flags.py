@@ -92,12 +92,14 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--tool-parser",
+        "--tool-call-parser",  # vLLM's spelling; the names are vLLM's too
         choices=TOOL_PARSERS,
         default="auto",
         help="how tool calls are read from replies: auto = the format the chat template names "
-        "(hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for <|python_tag|>), or "
-        "json with the tools described in a system message when it names none "
-        "(default: %(default)s)",
+        "(hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for <|python_tag|>, "
+        "qwen3_coder for <function=..><parameter=..>, glm45 for <arg_key>, minimax_m2 for "
+        "<minimax:tool_call>, openai for gpt-oss's harmony channels), or json with the tools "
+        "described in a system message when it names none (default: %(default)s)",
     )
     add(
         "--max-request-body-bytes",

@@ -8,7 +8,11 @@
    block themselves); the reasoning ends at the end marker and everything after it is content.
    A marker anywhere else is ordinary text. A reply cut off inside the reasoning (max_tokens)
    is all reasoning.
-3. ``ReasoningPieces`` applies a parser to a ``Generation``'s pieces for the chat route (filling
+3. gpt-oss marks reasoning by harmony channels instead (``HarmonyReasoningParser``): the
+   ``analysis`` messages are reasoning; the other messages' bodies are content, without their
+   markup, except messages to a recipient (tool calls), which stay whole for the ``openai``
+   tool parser.
+4. ``ReasoningPieces`` applies a parser to a ``Generation``'s pieces for the chat route (filling
    ``TextPiece.reasoning``) and counts ``usage.completion_tokens_details.reasoning_tokens``: the
    tokens whose text went to the reasoning (the marker tokens are not counted).
 """
@@ -18,13 +22,16 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from jax_llm_runtime.api.generation.stream import Generation, TextPiece
 from jax_llm_runtime.api.protocol.bodies import Usage
+from jax_llm_runtime.api.tool_calling.parsers.harmony import HarmonyLexer, Kind, Route, route
 from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
+from jax_llm_runtime.runtime.text.tokenizer import HARMONY_MARKERS
 
 # Enough prompt tokens to hold a start marker and the whitespace a template puts after it.
 _PROMPT_TAIL_TOKENS = 16
@@ -121,6 +128,68 @@ class ReasoningParser:
         return "".join(reasoning), "".join(content)
 
 
+class HarmonyReasoningParser:
+    """``ReasoningParser``'s interface over a harmony reply (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lexer = HarmonyLexer()
+        self._route = Route.CONTENT
+        self._whole = False  # the open message goes on verbatim, markup and all
+        self._pending_tokens = 0
+        self.reasoning_tokens = 0
+
+    def feed(self, text: str, num_tokens: int = 0) -> ReasoningDelta:
+        """Add ``text`` (produced by ``num_tokens`` tokens); return what is final so far."""
+        was_reasoning = self._route is Route.REASONING
+        delta = self._split(text, final=False)
+        if delta.reasoning:
+            self.reasoning_tokens += self._pending_tokens + num_tokens
+            self._pending_tokens = 0
+        elif was_reasoning and self._route is Route.REASONING:
+            self._pending_tokens += num_tokens  # held back: counted once its text comes out
+        else:
+            self._pending_tokens = 0
+        return delta
+
+    def flush(self) -> ReasoningDelta:
+        """The reply ended: release what is held (an unfinished analysis stays reasoning)."""
+        delta = self._split("", final=True)
+        if delta.reasoning:
+            self.reasoning_tokens += self._pending_tokens
+        self._pending_tokens = 0
+        return delta
+
+    def _split(self, text: str, final: bool) -> ReasoningDelta:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for segment in self._lexer.feed(text, final):
+            if segment.kind is Kind.OPEN:
+                assert segment.header is not None
+                self._route = route(segment.header)
+                self._whole = bool(segment.header.recipient)
+                if self._whole:
+                    content.append(segment.header.raw)
+            elif segment.kind is Kind.CLOSE:
+                if self._whole:
+                    content.append(segment.text)
+                self._route, self._whole = Route.CONTENT, False
+            elif segment.kind is Kind.BODY and self._route is Route.REASONING:
+                reasoning.append(segment.text)
+            else:
+                content.append(segment.text)
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+
+class Splitter(Protocol):
+    """``ReasoningParser`` or ``HarmonyReasoningParser``."""
+
+    reasoning_tokens: int
+
+    def feed(self, text: str, num_tokens: int = 0) -> ReasoningDelta: ...
+
+    def flush(self) -> ReasoningDelta: ...
+
+
 def _with_reasoning_tokens(usage: Usage, reasoning_tokens: int) -> Usage:
     details = msgspec.structs.replace(
         usage.completion_tokens_details, reasoning_tokens=reasoning_tokens
@@ -131,7 +200,7 @@ def _with_reasoning_tokens(usage: Usage, reasoning_tokens: int) -> Usage:
 class ReasoningPieces:
     """A ``Generation`` whose pieces are split by a ``ReasoningParser`` (or not, when None)."""
 
-    def __init__(self, generation: Generation, parser: ReasoningParser | None) -> None:
+    def __init__(self, generation: Generation, parser: Splitter | None) -> None:
         self._generation = generation
         self._parser = parser
 
@@ -192,6 +261,8 @@ def split_reasoning(
     markers = tokenizer.reasoning_markers
     if markers is None:
         return ReasoningPieces(generation, None)
+    if markers == HARMONY_MARKERS:
+        return ReasoningPieces(generation, HarmonyReasoningParser())
     start, end = markers
     tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return ReasoningPieces(generation, ReasoningParser(start, end, tail.rstrip().endswith(start)))

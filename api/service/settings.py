@@ -24,7 +24,18 @@ DEFAULT_MCP_MAX_ROUNDS = 8
 DEFAULT_MCP_TIMEOUT_S = 60.0
 DEFAULT_MCP_MAX_OUTPUT_BYTES = 64 * 1024
 # "auto" and the names of api.tool_calling.parsers.PARSERS (kept literal: config must not import the API).
-TOOL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "llama3_function", "json")
+TOOL_PARSERS = (
+    "auto",
+    "hermes",
+    "mistral",
+    "llama3_json",
+    "llama3_function",
+    "json",
+    "qwen3_coder",
+    "glm45",
+    "minimax_m2",
+    "openai",
+)
 
 # generation_config.json key -> SamplingDefaults field (HF transformers' names).
 _GENERATION_CONFIG_KEYS = {

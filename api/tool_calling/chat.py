@@ -29,6 +29,8 @@ from jax_llm_runtime.api.generation.stream import TextPiece
 from jax_llm_runtime.api.protocol.errors import bad_request
 from jax_llm_runtime.api.tool_calling.parsers import (
     PARSERS,
+    ContentDelta,
+    ReasoningDelta,
     StreamEvent,
     ToolCallDelta,
     ToolParser,
@@ -38,6 +40,8 @@ from jax_llm_runtime.api.tool_calling.repeats import RepeatGuard
 from jax_llm_runtime.runtime.engine.grammar import GrammarError, lark_grammar
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
+# Formats with no grammar to force a call in (their arguments are not one JSON value).
+_UNFORCED_PARSERS = frozenset({"llama3_function", "qwen3_coder", "glm45", "minimax_m2", "openai"})
 # The system message for templates that do not render tools themselves.
 _INSTRUCTIONS = (
     "You can call these functions:\n{tools}\n\nTo call a function, reply with only a JSON object "
@@ -84,7 +88,7 @@ class ToolRequest:
         chosen = parser_name if parser_name != "auto" else detected or "json"
         return cls(
             tools=tools,
-            parser=PARSERS[chosen](),
+            parser=PARSERS[chosen](tools),
             choice="named" if named is not None else choice,
             named=named,
             parallel=body.parallel_tool_calls is not False,
@@ -190,10 +194,9 @@ def _format_grammar(parser: str, call: dict[str, Any], several: bool) -> str:
     if parser == "llama3_json":
         repeat = '(";" call)*' if several else ""
         return f"start: call {repeat}\ncall: %json {schema}"
-    if parser == "llama3_function":
+    if parser in _UNFORCED_PARSERS:
         raise bad_request(
-            "tool_choice 'required' or a named function is not supported with the "
-            "llama3_function parser",
+            f"tool_choice 'required' or a named function is not supported with the {parser} parser",
             param="tool_choice",
         )
     return f"start: calls\ncalls: %json {json.dumps(items) if several else schema}"
@@ -234,7 +237,8 @@ class ToolCallPieces:
             if piece.finish_reason is not None:
                 events += stream.finish()
             events = guard.filter(events, stream.call_open())
-            text, calls = self._split(events)
+            text, calls, reasoning = self._split(events)
+            reasoning = piece.reasoning + reasoning
             called = called or bool(calls)
             reason = piece.finish_reason
             if guard.repeated or (reason == "stop" and called):
@@ -244,19 +248,26 @@ class ToolCallPieces:
                 await inner.aclose()
                 # aborts the sequence (its pages are freed at once); counted as finished
                 await self._inner.finish("tool_calls")
-            if text or calls or piece.reasoning or reason is not None:
+            if text or calls or reasoning or reason is not None:
                 yield replace(
-                    piece, text=text, finish_reason=reason, tool_calls=calls, logprobs=logprobs
+                    piece,
+                    text=text,
+                    finish_reason=reason,
+                    tool_calls=calls,
+                    logprobs=logprobs,
+                    reasoning=reasoning,
                 )
                 logprobs = ()
             if guard.repeated:
                 return
 
-    def _split(self, events: list[StreamEvent]) -> tuple[str, tuple[ToolCallDelta, ...]]:
-        """The content to send (none when the call is forced) and the call deltas, merged."""
-        text = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
+    def _split(self, events: list[StreamEvent]) -> tuple[str, tuple[ToolCallDelta, ...], str]:
+        """The content to send (none when the call is forced), the call deltas, merged, and the
+        reasoning of formats that mark it themselves (harmony)."""
+        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
         calls = _merged([e for e in events if isinstance(e, ToolCallDelta)])
-        return ("" if self._forced else text), calls
+        return ("" if self._forced else text), calls, reasoning
 
     async def collect(self) -> TextPiece:
         """The whole reply: content, reasoning, the tool calls reassembled (as OpenAI's

@@ -184,15 +184,25 @@ class IncrementalDecoder:
         return delta
 
 
-# Think markers of reasoning models (DeepSeek-R1, Qwen3, QwQ, ...), as (start, end).
+# Think markers of reasoning models (DeepSeek-R1, Qwen3, QwQ, GLM 4.5, MiniMax-M2, ...), as
+# (start, end).
 REASONING_MARKERS = (("<think>", "</think>"),)
+# gpt-oss: reasoning is harmony's analysis channel. Its replies are split by the channels of
+# their messages, not by a marker pair (``api.generation.reasoning``); this pair names the format.
+HARMONY_MARKERS = ("<|channel|>analysis<|message|>", "<|end|>")
 
 
 def detect_reasoning_markers(
     vocab: dict[str, int], chat_template: str | None
 ) -> tuple[str, str] | None:
-    """The model's think markers: a known pair whose both halves are tokens of its vocabulary,
-    or appear in its chat template; None for a model without them."""
+    """The model's think markers: ``HARMONY_MARKERS`` for a harmony model (``<|channel|>`` and
+    ``<|message|>`` are tokens of its vocabulary, or its template writes channels), else a
+    known pair whose both halves are tokens of its vocabulary, or appear in its chat template;
+    None for a model without them."""
+    if ("<|channel|>" in vocab and "<|message|>" in vocab) or (
+        chat_template and "<|channel|>" in chat_template
+    ):
+        return HARMONY_MARKERS
     for start, end in REASONING_MARKERS:
         if (start in vocab and end in vocab) or (chat_template and end in chat_template):
             return start, end

@@ -279,7 +279,6 @@ def test_unix_socket_addresses(
         ("--m x --kvcache-mem-cpu 0", "--kvcache-mem-cpu"),
         ("--m x --prefix-cache-max-tokens 4096", "--prefix-cache-max-tokens"),
         ("--m x --disable-cuda-graph", "--disable-cuda-graph"),
-        ("--m x --enforce-parser qwen_coder", "--enforce-parser qwen_coder"),
         ("--w {weights} --kvcache-dtype turbo4", "--kvcache-dtype turbo4"),
     ],
 )
@@ -316,7 +315,6 @@ def test_each_ignored_flag_warns_once(
         monkeypatch,
     )
     assert [line.split(" ")[2] for line in parsed.warnings] == [
-        "--enforce-parser",
         "--kv-fraction",
         "--yarn-scaling-factor",
     ]
@@ -326,7 +324,8 @@ def test_each_ignored_flag_warns_once(
 
 
 @pytest.mark.parametrize(
-    ("parser", "ours"), [("qwen", "hermes"), ("json", "json"), ("mistral", "mistral")]
+    ("parser", "ours"),
+    [("qwen", "hermes"), ("json", "json"), ("mistral", "mistral"), ("qwen_coder", "qwen3_coder")],
 )
 def test_enforce_parser_picks_our_tool_parser(
     parser: str, ours: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -334,6 +333,15 @@ def test_enforce_parser_picks_our_tool_parser(
     parsed = parse(f"--m x --enforce-parser {parser}", capsys, monkeypatch)
     assert parsed.server.tool_parser == ours
     assert parsed.warnings == []
+
+
+@pytest.mark.parametrize("flag", ["--tool-parser", "--tool-call-parser"])
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "minimax_m2", "openai"])
+def test_tool_parser_takes_vllm_names_and_spelling(
+    flag: str, name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed = parse(f"--m x {flag} {name}", capsys, monkeypatch)
+    assert parsed.server.tool_parser == name
 
 
 def _chat(body: dict[str, object]) -> ChatCompletionRequest:

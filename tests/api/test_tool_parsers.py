@@ -23,18 +23,33 @@ from jax_llm_runtime.api.tool_calling.parsers import (
     PARSERS,
     ContentDelta,
     ParsedOutput,
+    ReasoningDelta,
     StreamEvent,
     ToolCallDelta,
     collect,
     parser_for_template,
 )
 
+JSON_FORMATS = ("mistral", "hermes", "llama3_json", "llama3_function", "json")
+XML_FORMATS = ("qwen3_coder", "glm45", "minimax_m2")
 MARKUP = {
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>", '"parameters"'),
     "llama3_function": ("<function=", "</function>"),
     "json": ('"name"', '"arguments"', '"tool_calls"'),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "</parameter>"),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "<invoke name=", "<parameter name=", "</invoke>"),
+    "openai": (
+        "<|start|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|constrain|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+    ),
 }
 ID_PATTERN = {
     "mistral": re.compile(r"[A-Za-z0-9]{9}"),
@@ -56,7 +71,7 @@ def check_event_shapes(parser: str, events: list[StreamEvent]) -> None:
     """Content is non-empty; each call opens with id/name/empty arguments, in index order."""
     opened: list[int] = []
     for event in events:
-        if isinstance(event, ContentDelta):
+        if isinstance(event, ContentDelta | ReasoningDelta):
             assert event.text
             continue
         wire = event.openai()
@@ -76,27 +91,27 @@ def check_event_shapes(parser: str, events: list[StreamEvent]) -> None:
             assert wire == {"index": event.index, "function": {"arguments": event.arguments}}
 
 
-def stream(parser: str, pieces: list[str]) -> list[StreamEvent]:
-    s = PARSERS[parser]().stream()
+def stream(parser: str, pieces: list[str], tools: Any = None) -> list[StreamEvent]:
+    s = PARSERS[parser](tools).stream()
     events = [event for piece in pieces for event in s.feed(piece)]
     return events + s.finish()
 
 
-def without_ids(out: ParsedOutput) -> tuple[str | None, list[tuple[str, str]]]:
-    return out.content, [(call.name, call.arguments) for call in out.tool_calls]
+def without_ids(out: ParsedOutput) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    return out.content, [(call.name, call.arguments) for call in out.tool_calls], out.reasoning
 
 
-def assert_stream_agrees(parser: str, text: str, clean: bool) -> ParsedOutput:
+def assert_stream_agrees(parser: str, text: str, clean: bool, tools: Any = None) -> ParsedOutput:
     """Stream ``text`` at every cut plan; return ``parse(text)`` after checking they agree."""
-    parsed = PARSERS[parser]().parse(text)
+    parsed = PARSERS[parser](tools).parse(text)
     for call in parsed.tool_calls:
         assert ID_PATTERN[parser].fullmatch(call.id), call.id
     for seed in [*SEEDS, None]:
-        events = stream(parser, chunks(text, seed) if text else [])
+        events = stream(parser, chunks(text, seed) if text else [], tools)
         check_event_shapes(parser, events)
         assert without_ids(collect(events)) == without_ids(parsed), f"seed {seed}"
         if clean:
-            content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+            content = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
             for marker in MARKUP[parser]:
                 assert marker not in content, (marker, content)
     return parsed
@@ -110,6 +125,8 @@ class Case:
     content: str | None
     calls: list[tuple[str, str]]
     clean: bool = True  # well-formed: no markup may reach the content
+    reasoning: str | None = None  # harmony's analysis channel
+    tools: list[dict[str, Any]] | None = None  # their schemas type XML parameter values
 
 
 NESTED_ARGS = json.dumps(
@@ -122,6 +139,48 @@ UNICODE_ARGS = (
     '{"text": "Grüße aus Köln 🌧️ — ça va?", "target": "日本語", "escaped": "\\u00e9\\ud83d\\ude00"}'
 )
 CODE_ARGS = '{"path": "a.py", "code": "def f():\\n    return {\\"a\\": [1, 2]}\\n"}'
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer"},
+                    "hourly": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "filters": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                    "limit": {"type": "number"},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            },
+        },
+    },
+]
 
 CASES = [
     # Qwen 2.5 / 3 and Hermes: <tool_call> blocks.
@@ -571,14 +630,288 @@ CASES = [
         None,
         [("f", '{"a": }')],
     ),
+    # Qwen3-Coder, Qwen3.5, Qwen3-Next: <tool_call><function=NAME><parameter=KEY> elements.
+    Case(
+        "qwen3_coder",
+        "one call after text",
+        "I'll check the current weather in Paris for you.\n\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "I'll check the current weather in Paris for you.",
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "qwen3_coder",
+        "several calls with values typed by the schema",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n"
+        "</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\n42\n</parameter>\n"
+        '<parameter=filters>\n{"site": "jma.go.jp", "lang": ["ja", "en"]}\n</parameter>\n'
+        "<parameter=limit>\n5.0\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [
+            ("get_weather", '{"city": "Tokyo", "days": 3, "hourly": true}'),
+            (
+                "search",
+                '{"query": "42", "filters": {"site": "jma.go.jp", "lang": ["ja", "en"]}, "limit": 5.0}',
+            ),
+        ],
+        tools=TOOLS,
+    ),
+    Case(
+        "qwen3_coder",
+        "multi-line code keeps its inner newlines",
+        "Creating the file now.\n<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/app.py\n"
+        "</parameter>\n<parameter=content>\ndef main() -> None:\n    print(\"a < b\", {'k': 1})\n\n"
+        "\n</parameter>\n</function>\n</tool_call>",
+        "Creating the file now.",
+        [
+            (
+                "write_file",
+                '{"path": "src/app.py", "content": "def main() -> None:\\n    print(\\"a < b\\", '
+                "{'k': 1})\\n\\n\"}",
+            )
+        ],
+        tools=TOOLS,
+    ),
+    Case(
+        "qwen3_coder",
+        "unknown tools, unknown parameters and unparsable numbers stay strings",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+        "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call><tool_call>\n<function=other>\n"
+        "<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("get_weather", '{"days": "three", "extra": "7"}'), ("other", '{"n": "7"}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "qwen3_coder",
+        "closing tags left out",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n2\n"
+        "</tool_call>",
+        None,
+        [("get_weather", '{"city": "Oslo", "days": 2}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "qwen3_coder",
+        "a function without a <tool_call> around it, and one without parameters",
+        "Listing.\n<function=list_files>\n</function>\n<tool_call>\n<function=get_weather>\n"
+        "</function>\n</tool_call>",
+        "Listing.",
+        [("list_files", "{}"), ("get_weather", "{}")],
+    ),
+    Case(
+        "qwen3_coder",
+        "cut off inside a value",
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fran\n</param",
+        "Checking.",
+        [("get_weather", '{"city": "San Fran"')],
+    ),
+    Case(
+        "qwen3_coder",
+        "an empty block is content",
+        "<tool_call>\n</tool_call> and <function=> too",
+        "<tool_call>\n</tool_call> and <function=> too",
+        [],
+        clean=False,
+    ),
+    Case(
+        "qwen3_coder",
+        "a bad name is content, a later call still counts",
+        "<tool_call>\n<function=get weather{x}>\n</function>\n</tool_call>\nretry:\n<tool_call>\n"
+        "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get weather{x}>\n</function>\n</tool_call>\nretry:",
+        [("get_weather", '{"city": "Rome"}')],
+        clean=False,
+    ),
+    # GLM 4.5 / 4.6 / 4.7: <tool_call>NAME <arg_key>/<arg_value> pairs.
+    Case(
+        "glm45",
+        "one call after text",
+        "\nI'll look up the forecast for Beijing.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+        "</tool_call>",
+        "\nI'll look up the forecast for Beijing.",
+        [("get_weather", '{"city": "Beijing", "days": 3}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "glm45",
+        "several calls, GLM 4.7's name without a newline, typed values",
+        "<tool_call>search<arg_key>query</arg_key><arg_value>1984</arg_value><arg_key>filters"
+        '</arg_key><arg_value>{"year": 1949, "tags": ["novel"]}</arg_value><arg_key>limit</arg_key>'
+        "<arg_value>ten</arg_value></tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>London</arg_value>\n<arg_key>hourly</arg_key>\n<arg_value>false</arg_value>\n"
+        "</tool_call>",
+        None,
+        [
+            (
+                "search",
+                '{"query": "1984", "filters": {"year": 1949, "tags": ["novel"]}, "limit": "ten"}',
+            ),
+            ("get_weather", '{"city": "London", "hourly": false}'),
+        ],
+        tools=TOOLS,
+    ),
+    Case(
+        "glm45",
+        "a call without arguments, markup inside a value",
+        "<tool_call>list_files\n</tool_call>\n<tool_call>write_file\n<arg_key>path</arg_key>\n"
+        "<arg_value>index.html</arg_value>\n<arg_key>content</arg_key>\n"
+        '<arg_value><div class="x">a &amp; b</div>\n</arg_value>\n</tool_call>',
+        None,
+        [
+            ("list_files", "{}"),
+            (
+                "write_file",
+                '{"path": "index.html", "content": "<div class=\\"x\\">a &amp; b</div>"}',
+            ),
+        ],
+        tools=TOOLS,
+    ),
+    Case(
+        "glm45",
+        "JSON inside <tool_call> is not this format: content",
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+        [],
+        clean=False,
+    ),
+    Case(
+        "glm45",
+        "a pair cut off before its value",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
+        None,
+        [("get_weather", '{"city": "Par"')],
+    ),
+    # MiniMax-M2: <minimax:tool_call><invoke name=..><parameter name=..>.
+    Case(
+        "minimax_m2",
+        "two calls in one block after text",
+        'I\'ll check both cities.\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="city">Paris</parameter>\n<parameter name="days">2</parameter>\n'
+        '</invoke>\n<invoke name="get_weather">\n<parameter name="city">Lyon</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+        "I'll check both cities.",
+        [("get_weather", '{"city": "Paris", "days": 2}'), ("get_weather", '{"city": "Lyon"}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "minimax_m2",
+        "typed values, a name without quotes",
+        '<minimax:tool_call>\n<invoke name=search>\n<parameter name="query">007</parameter>\n'
+        '<parameter name="filters">{"genre": "spy"}</parameter>\n</invoke>\n</minimax:tool_call>',
+        None,
+        [("search", '{"query": "007", "filters": {"genre": "spy"}}')],
+        tools=TOOLS,
+    ),
+    Case(
+        "minimax_m2",
+        "an empty block is content",
+        "<minimax:tool_call>\n</minimax:tool_call>",
+        "<minimax:tool_call>\n</minimax:tool_call>",
+        [],
+        clean=False,
+    ),
+    # gpt-oss: harmony messages.
+    Case(
+        "openai",
+        "reasoning then a call",
+        '<|channel|>analysis<|message|>The user asks: "What is the weather in Tokyo?" We need to '
+        "call get_weather with location Tokyo.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"location":"Tokyo","unit":"celsius"}'
+        "<|call|>",
+        None,
+        [("get_weather", '{"location":"Tokyo","unit":"celsius"}')],
+        reasoning='The user asks: "What is the weather in Tokyo?" We need to call get_weather with '
+        "location Tokyo.",
+    ),
+    Case(
+        "openai",
+        "reasoning then the final answer",
+        "<|channel|>analysis<|message|>Simple greeting; respond politely.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello! How can I help you today?<|return|>",
+        "Hello! How can I help you today?",
+        [],
+        reasoning="Simple greeting; respond politely.",
+    ),
+    Case(
+        "openai",
+        "final without its end token (a stop token the detokenizer left out)",
+        "<|channel|>analysis<|message|>2+2=4.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "**4**",
+        "**4**",
+        [],
+        reasoning="2+2=4.",
+    ),
+    Case(
+        "openai",
+        "recipient before the channel, json without <|constrain|>",
+        "<|channel|>analysis<|message|>Need the file.<|end|><|start|>assistant "
+        'to=functions.read_file<|channel|>commentary json<|message|>{"path": "README.md"}<|call|>',
+        None,
+        [("read_file", '{"path": "README.md"}')],
+        reasoning="Need the file.",
+    ),
+    Case(
+        "openai",
+        "a preamble, then two calls",
+        "<|channel|>analysis<|message|>Two lookups.<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>I'll check both cities.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>\n{"location": "Paris"}\n<|call|>'
+        "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"
+        "{}<|call|>",
+        "I'll check both cities.",
+        [("get_weather", '{"location": "Paris"}'), ("get_time", "{}")],
+        reasoning="Two lookups.",
+    ),
+    Case(
+        "openai",
+        "a call to a built-in tool is no function call",
+        '<|channel|>analysis to=browser.search <|constrain|>json<|message|>{"query": "x"}<|call|>',
+        None,
+        [],
+    ),
+    Case(
+        "openai",
+        "cut off inside the arguments",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"location": "Tok',
+        None,
+        [("get_weather", '{"location": "Tok')],
+    ),
+    Case(
+        "openai",
+        "no harmony markup: content",
+        "The weather in Tokyo is sunny.",
+        "The weather in Tokyo is sunny.",
+        [],
+    ),
+    Case(
+        "openai",
+        "a broken header is content, the next message still counts",
+        "<|channel|>analysis<|end|>oops<|channel|>final<|message|>ok<|return|>",
+        "<|channel|>analysis<|end|>oopsok",
+        [],
+        clean=False,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parser}: {c.id}" for c in CASES])
 def test_recorded_outputs(case: Case) -> None:
-    parsed = assert_stream_agrees(case.parser, case.text, case.clean)
+    parsed = assert_stream_agrees(case.parser, case.text, case.clean, case.tools)
     assert parsed.content == case.content
     assert [(call.name, call.arguments) for call in parsed.tool_calls] == case.calls
+    assert parsed.reasoning == case.reasoning
+    for call in parsed.tool_calls:
+        assert call.openai() == {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
 
 
 def test_every_parser_has_cases() -> None:
@@ -665,6 +998,24 @@ SOUP = [
     '"\\u00e9"',
     '"\\ud800"',
     "'",
+    "<|channel|>analysis<|message|>",
+    "<|channel|>final<|message|>",
+    "<|start|>assistant",
+    " to=functions.f",
+    " to=browser.x",
+    "commentary",
+    " json",
+    "<function=f>",
+    "<parameter=a>",
+    "</function>",
+    "f\n",
+    "<arg_key>a</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    '<invoke name="f">',
+    '<parameter name="a">',
+    "</parameter>",
+    "</minimax:tool_call>",
 ]
 soup_text = st.lists(st.one_of(st.sampled_from(SOUP), st.text(max_size=4)), max_size=40).map(
     "".join
@@ -680,7 +1031,7 @@ def test_any_text_streams_as_it_parses(parser: str, text: str, data: st.DataObje
     events = stream(parser, pieces)
     check_event_shapes(parser, events)
     assert without_ids(collect(events)) == without_ids(parsed)
-    if not parsed.tool_calls:  # nothing was a call: the reply is content, verbatim
+    if not parsed.tool_calls and parser != "openai":  # no call: the reply is content, verbatim
         assert parsed.content == (text or None)
 
 
@@ -720,7 +1071,7 @@ def render(parser: str, before: str, items: list[tuple[str, str]]) -> str:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    parser=st.sampled_from(sorted(PARSERS)),
+    parser=st.sampled_from(JSON_FORMATS),
     before=prose,
     items=calls,
     ascii_only=st.booleans(),
@@ -739,6 +1090,136 @@ def test_generated_calls_round_trip(
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert without_ids(collect(stream(parser, pieces))) == without_ids(parsed)
+
+
+# Hypothesis: calls in the XML formats, their values typed by the schema, come back exactly.
+
+_plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categories=("Cs",)))
+_xml_scalars = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+)
+xml_values = (
+    _plain.map(str.strip)
+    | _xml_scalars
+    | st.recursive(
+        _xml_scalars | _plain,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_plain, inner, max_size=3),
+        max_leaves=6,
+    ).filter(lambda v: isinstance(v, list | dict))
+)
+xml_calls = st.lists(
+    st.tuples(names, st.dictionaries(names, xml_values, max_size=4)),
+    min_size=1,
+    max_size=3,
+    unique_by=lambda item: item[0],  # one schema per function
+)
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", type(None): "null"}
+
+
+def xml_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def render_xml(parser: str, before: str, items: list[tuple[str, dict[str, Any]]]) -> str:
+    """``items`` written as the XML formats' templates write them."""
+    if parser == "qwen3_coder":
+        blocks = (
+            f"<tool_call>\n<function={name}>\n"
+            + "".join(f"<parameter={k}>\n{xml_value(v)}\n</parameter>\n" for k, v in args.items())
+            + "</function>\n</tool_call>"
+            for name, args in items
+        )
+        return before + "\n".join(blocks)
+    if parser == "glm45":
+        blocks = (
+            f"<tool_call>{name}\n"
+            + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{xml_value(v)}</arg_value>\n"
+                for k, v in args.items()
+            )
+            + "</tool_call>"
+            for name, args in items
+        )
+        return before + "\n".join(blocks)
+    invokes = (
+        f'<invoke name="{name}">\n'
+        + "".join(f'<parameter name="{k}">{xml_value(v)}</parameter>\n' for k, v in args.items())
+        + "</invoke>\n"
+        for name, args in items
+    )
+    return before + "<minimax:tool_call>\n" + "".join(invokes) + "</minimax:tool_call>"
+
+
+def schema_of(value: Any) -> dict[str, str]:
+    if isinstance(value, str):
+        return {"type": "string"}
+    if isinstance(value, list | dict):
+        return {"type": "array" if isinstance(value, list) else "object"}
+    return {"type": _JSON_TYPE[type(value)]}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parser=st.sampled_from(XML_FORMATS), before=prose, items=xml_calls, data=st.data())
+def test_xml_calls_round_trip(
+    parser: str, before: str, items: list[tuple[str, dict[str, Any]]], data: Any
+) -> None:
+    tools = []
+    for name, args in items:
+        properties = {k: schema_of(v) for k, v in args.items()}
+        tools.insert(
+            0,
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "parameters": {"type": "object", "properties": properties},
+                },
+            },
+        )
+    text = render_xml(parser, before, items)
+    parsed = PARSERS[parser](tools).parse(text)
+    assert parsed.content == (before.rstrip() or None)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == items
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert without_ids(collect(stream(parser, pieces, tools))) == without_ids(parsed)
+
+
+# Hypothesis: harmony replies of reasoning, preambles and calls come back exactly.
+
+harmony_text = st.text(
+    alphabet=st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), min_size=1
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    analysis=harmony_text,
+    answer=harmony_text,
+    items=calls,
+    final=st.booleans(),
+    data=st.data(),
+)
+def test_harmony_round_trip(
+    analysis: str, answer: str, items: list[tuple[str, dict[str, Any]]], final: bool, data: Any
+) -> None:
+    text = f"<|channel|>analysis<|message|>{analysis}<|end|>"
+    if final:
+        text += f"<|start|>assistant<|channel|>final<|message|>{answer}<|return|>"
+    else:
+        text += f"<|start|>assistant<|channel|>commentary<|message|>{answer}<|end|>"
+        for name, args in items:
+            text += (
+                f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json"
+                f"<|message|>{json.dumps(args)}<|call|>"
+            )
+    parsed = PARSERS["openai"]().parse(text)
+    assert (parsed.reasoning, parsed.content) == (analysis, answer)
+    expected = [] if final else [(name, json.dumps(args)) for name, args in items]
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert without_ids(collect(stream("openai", pieces))) == without_ids(parsed)
 
 
 # Template detection.
@@ -762,8 +1243,22 @@ def test_generated_calls_round_trip(
             "llama3_json",
         ),
         ("{{ 'start with <function= and end with </function>' }}{% if tools %}", "llama3_function"),
-        ("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n<parameter=' }}", None),
-        ("{{ '<tool_call>' + tc.name }}{{ '<arg_key>' ~ k ~ '</arg_key>' }}", None),
+        (
+            "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n<parameter=' }}",
+            "qwen3_coder",
+        ),
+        ("{{ '<tool_call>' + tc.name }}{{ '<arg_key>' ~ k ~ '</arg_key>' }}", "glm45"),
+        (
+            "{{- '<minimax:tool_call>\\n' }}{{- '<invoke name=\"' + tc.name + '\">' }}"
+            "{{- '<parameter name=\"' + k + '\">' }}",
+            "minimax_m2",
+        ),
+        ("{{- '<seed:tool_call>\\n<function=' + name + '>\\n<parameter=' + k + '>' }}", None),
+        (
+            "{%- if tool_call.recipient %}{{- '<|start|>assistant to=' + recipient }}"
+            "{{- '<|channel|>commentary json<|message|>' }}{%- endif %}",
+            "openai",
+        ),
         ("{%- if tools is not none %}{{- tools | tojson }}{%- endif %}", "json"),
         (
             "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}",

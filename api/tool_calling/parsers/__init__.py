@@ -1,7 +1,9 @@
 """Tool calls out of generated text: whole replies (``parse``) and streams (``stream``).
 
 The parsers are pure Python over the reply's text, which must be decoded with the special tokens
-that serve as markers kept (``[TOOL_CALLS]``, ``<|python_tag|>``, ``<tool_call>`` in Qwen).
+that serve as markers kept (``[TOOL_CALLS]``, ``<|python_tag|>``, ``<tool_call>`` in Qwen,
+harmony's ``<|channel|>`` and the rest in gpt-oss): the chat route decodes with
+``skip_special_tokens=False`` whenever a request has tools, and always for a harmony model.
 
 Formats
 -------
@@ -49,6 +51,55 @@ object with, in any order (Hermes writes ``"arguments"`` first, Qwen ``"name"`` 
   Arguments are required, for the same reason as ``llama3_json``. Until such a reply's JSON
   proves not to be a call, it is held back, so a plain JSON answer streams at its end.
 
+Arguments as XML elements, one per parameter. ``VALUE`` is any text up to the tag that ends
+it; ``KEY`` and ``NAME`` are 1-256 characters, trimmed, without ``< > { } [ ] "`` or line breaks:
+
+``qwen3_coder`` (Qwen3-Coder, Qwen3.5, Qwen3-Next, Nemotron 3)::
+
+    text* ( ( "<tool_call>" ws function ( ws function )* ws [ "</tool_call>" ]
+            | function ) text* )*
+    function  = "<function=" NAME ">" ( ws parameter )* ws "</function>"
+    parameter = "<parameter=" KEY ">" VALUE [ "</parameter>" ]
+
+  VALUE loses one newline at each end (the template writes ``>\nVALUE\n<``). A value whose
+  ``</parameter>`` is missing ends at the next ``<parameter=``, ``</function>`` or
+  ``</tool_call>``; a ``</tool_call>`` also closes a function left open.
+
+``glm45`` (GLM 4.5 / 4.6 / 4.7, GLM-4-MoE-lite)::
+
+    text* ( "<tool_call>" ws NAME ( ws "<arg_key>" KEY "</arg_key>" ws
+            "<arg_value>" VALUE "</arg_value>" )* ws "</tool_call>" text* )*
+
+  NAME ends at a line break or ``<arg_key>`` (GLM 4.7 writes none between). VALUE is trimmed.
+
+``minimax_m2`` (MiniMax-M2)::
+
+    text* ( "<minimax:tool_call>" ws invoke ( ws invoke )* ws "</minimax:tool_call>" text* )*
+    invoke    = "<invoke name=" Q NAME Q ">" ( ws parameter )* ws "</invoke>"
+    parameter = "<parameter name=" Q KEY Q ">" VALUE "</parameter>"
+
+  Q is ``"``, ``'`` or nothing. VALUE is trimmed.
+
+  Values are typed by the request's tool schemas (``schemas.typed_value``): a string, unless
+  the parameter's schema allows only non-string types and VALUE parses as JSON.
+
+``openai`` (gpt-oss: OpenAI's harmony format)::
+
+    reply   = ( text | message )*
+    message = header "<|message|>" body [ "<|end|>" | "<|call|>" | "<|return|>" ]
+    header  = ( "<|start|>" ROLE | "<|channel|>" CHANNEL ) ( part )*      (at most 512 chars)
+    part    = "<|channel|>" CHANNEL | " to=" RECIPIENT | "<|constrain|>" TYPE | " " TYPE
+
+  The prompt ends with ``<|start|>assistant``, so a reply opens with its first channel. A body
+  ends at its end token, where the next ``<|start|>`` or ``<|channel|>`` begins, or with the
+  reply (``<|call|>`` and ``<|return|>`` are stop tokens a reply may end without). A message to
+  ``functions.NAME`` (on any channel, ``to=`` before or after the channel) is a call whose
+  arguments are its body; to any other recipient (``browser.search``, ``python``: built-in tools
+  this server does not run), nothing; on ``analysis``, reasoning (``ReasoningDelta``); on
+  ``final``, ``commentary`` (a preamble) or none, content. Bodies are sent verbatim, content
+  bodies concatenated. A header that breaks the grammar is content from its first marker, and
+  reading goes on after that marker. Whitespace rules 1 and 3 below do not apply here.
+
 ``arguments``
 -------------
 The text of the arguments exactly as the model wrote it, from the ``{`` to its matching ``}``;
@@ -56,6 +107,9 @@ for arguments the model wrote as a JSON string, that string's value with surroun
 trimmed; ``{}`` for a call object without arguments (hermes, mistral). It is not re-serialized,
 so a stream can send it character by character as the model writes it and ``parse`` gives the
 same string. Like OpenAI's, it is usually valid JSON but not always: validate before use.
+The XML formats are the exception: their arguments are the JSON object of the parameters,
+written by the parser (``json.dumps`` of each key and typed value, ``", "`` and ``": "``
+between them), sent a parameter at a time as each one's value closes; ``{}`` without any.
 
 Ids
 ---
@@ -73,7 +127,7 @@ final and ``finish()`` the rest. An event is a ``ContentDelta`` or a ``ToolCallD
    strings are), and so is trailing whitespace: whitespace right before markup is dropped, and
    whitespace right after it is sent only when text follows and content came before.
 2. A call is announced (``{index, id, type, function: {name, arguments: ""}}``) once its name is
-   known and its arguments have begun (an object's ``{`` and next token) or are complete (a
+   known (XML formats and harmony: as soon as its name or header is read) and its arguments have begun (an object's ``{`` and next token) or are complete (a
    string, or the call object closed without them). From then on each fragment
    (``{index, function: {arguments}}``) is the arguments text as it arrives; whitespace between
    tokens is held until what follows it arrives. The fragments concatenate to ``arguments``.
@@ -97,6 +151,7 @@ from jax_llm_runtime.api.tool_calling.parsers.detect import parser_for_template
 from jax_llm_runtime.api.tool_calling.parsers.events import (
     ContentDelta,
     ParsedOutput,
+    ReasoningDelta,
     StreamEvent,
     ToolCall,
     ToolCallDelta,
@@ -109,7 +164,13 @@ from jax_llm_runtime.api.tool_calling.parsers.formats import (
     Llama3JsonParser,
     MistralParser,
 )
+from jax_llm_runtime.api.tool_calling.parsers.harmony import HarmonyParser, HarmonyStream
 from jax_llm_runtime.api.tool_calling.parsers.stream import ToolCallStream, ToolParser
+from jax_llm_runtime.api.tool_calling.parsers.xml_calls import (
+    Glm45Parser,
+    MiniMaxM2Parser,
+    Qwen3CoderParser,
+)
 
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
@@ -119,13 +180,19 @@ PARSERS: dict[str, type[ToolParser]] = {
         Llama3FunctionParser,
         HermesParser,
         JsonParser,
+        Qwen3CoderParser,
+        Glm45Parser,
+        MiniMaxM2Parser,
+        HarmonyParser,
     )
 }
 
 __all__ = [
     "PARSERS",
     "ContentDelta",
+    "HarmonyStream",
     "ParsedOutput",
+    "ReasoningDelta",
     "StreamEvent",
     "ToolCall",
     "ToolCallDelta",

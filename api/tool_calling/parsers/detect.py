@@ -3,16 +3,19 @@
 A template that can render tool calls writes them back into the history in the very syntax the
 model was trained to emit, so its source names the markers. Checked in order:
 
-1. Arguments written as XML elements, not JSON: ``<parameter=`` (Qwen3-Coder, Qwen3.5,
-   Nemotron 3, Seed-OSS), ``<arg_key>`` (GLM 4.5+, Ling, Laguna), ``<invoke name=`` (MiniMax).
-   No parser here reads them, so None, even though these templates also write ``<tool_call>``.
-2. ``[TOOL_CALLS]``: ``mistral``.
-3. ``<tool_call>``: ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3).
-4. ``<function=``: ``llama3_function`` (Functionary v3.1, custom Llama 3.1 prompts).
-5. ``<|python_tag|>``, or ``"parameters"`` in a Llama 3 header template: ``llama3_json``.
-6. Any other template that uses the ``tools`` variable: ``json``, the generic reader, since such
+1. ``<|channel|>``: ``openai`` (gpt-oss and its harmony messages).
+2. Arguments written as XML elements, not JSON: ``<arg_key>`` (GLM 4.5+, GLM-4-MoE-lite, and
+   any other template that writes GLM's pairs): ``glm45``; ``<invoke name=`` with
+   ``<minimax:tool_call>`` (MiniMax-M2): ``minimax_m2``; ``<parameter=`` with ``<tool_call>``
+   or ``<function=`` (Qwen3-Coder, Qwen3.5, Qwen3-Next, Nemotron 3): ``qwen3_coder``. Other
+   XML forms (Seed-OSS's ``<seed:tool_call>``) have no parser here: None.
+3. ``[TOOL_CALLS]``: ``mistral``.
+4. ``<tool_call>``: ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3).
+5. ``<function=``: ``llama3_function`` (Functionary v3.1, custom Llama 3.1 prompts).
+6. ``<|python_tag|>``, or ``"parameters"`` in a Llama 3 header template: ``llama3_json``.
+7. Any other template that uses the ``tools`` variable: ``json``, the generic reader, since such
    a template tells the model about tools without showing a syntax this package knows.
-7. Otherwise the template has no tool support: None.
+8. Otherwise the template has no tool support: None.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ def parser_for_template(chat_template: str | None) -> str | None:
     or None when the template renders no tools or uses a format no parser here reads."""
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template:
+        return "openai"
     if any(marker in chat_template for marker in _XML_ARGUMENTS):
-        return None
+        return _xml_format(chat_template)
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
     if "<tool_call>" in chat_template:
@@ -40,6 +45,17 @@ def parser_for_template(chat_template: str | None) -> str | None:
     ):
         return "llama3_json"
     return "json" if _uses_tools(chat_template) else None
+
+
+def _xml_format(chat_template: str) -> str | None:
+    if "<arg_key>" in chat_template:
+        return "glm45"
+    if "<minimax:tool_call>" in chat_template:
+        return "minimax_m2" if "<invoke name=" in chat_template else None
+    qwen = "<tool_call>" in chat_template or "<function=" in chat_template
+    if "<parameter=" in chat_template and qwen and "<seed:tool_call>" not in chat_template:
+        return "qwen3_coder"
+    return None
 
 
 def _uses_tools(chat_template: str) -> bool:

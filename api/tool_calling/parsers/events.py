@@ -41,10 +41,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """A whole reply split into its text (None when there is none) and its tool calls."""
+    """A whole reply split into its text (None when there is none) and its tool calls; and its
+    reasoning, for formats that carry it in their own markup (harmony), else None."""
 
     content: str | None
     tool_calls: list[ToolCall]
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,27 @@ class ToolCallDelta:
         return {"index": self.index, "id": self.id, "type": "function", "function": function}
 
 
-StreamEvent = ContentDelta | ToolCallDelta
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Reasoning text of a format that marks it itself (harmony's ``analysis`` channel)."""
+
+    text: str
+
+
+StreamEvent = ContentDelta | ToolCallDelta | ReasoningDelta
 
 
 def collect(events: Iterable[StreamEvent]) -> ParsedOutput:
     """Reassemble a stream's events into the reply they describe, as a client would."""
     content: list[str] = []
+    reasoning: list[str] = []
     heads: dict[int, ToolCallDelta] = {}
     arguments: dict[int, list[str]] = {}
     for event in events:
         if isinstance(event, ContentDelta):
             content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
         elif event.id is not None:
             heads[event.index] = event
             arguments[event.index] = [event.arguments]
@@ -92,4 +104,4 @@ def collect(events: Iterable[StreamEvent]) -> ParsedOutput:
         ToolCall(head.id or "", head.name or "", "".join(arguments[index]))
         for index, head in sorted(heads.items())
     ]
-    return ParsedOutput("".join(content) or None, calls)
+    return ParsedOutput("".join(content) or None, calls, "".join(reasoning) or None)

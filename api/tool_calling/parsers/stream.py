@@ -13,8 +13,8 @@ the whole text at once.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Protocol
 
 from jax_llm_runtime.api.tool_calling.parsers.events import (
     ContentDelta,
@@ -24,6 +24,7 @@ from jax_llm_runtime.api.tool_calling.parsers.events import (
     collect,
     openai_call_id,
 )
+from jax_llm_runtime.api.tool_calling.parsers.schemas import parameter_schemas
 
 JSON_WS = " \t\n\r"
 
@@ -284,15 +285,27 @@ class ToolCallStream:
 
 
 class ToolParser:
-    """One model family's tool-call format. Stateless: ``stream()`` holds the state of a reply."""
+    """One model family's tool-call format. Stateless: ``stream()`` holds the state of a reply.
+
+    ``tools``: the request's OpenAI-shaped tools; formats that write arguments as bare text type
+    the values by their parameter schemas (``schemas.typed_value``); JSON formats ignore them.
+    """
 
     name: ClassVar[str]
     # Marker text -> the block that reads the markup after it.
     markers: ClassVar[Mapping[str, Callable[[], Block]]] = {}
 
+    def __init__(self, tools: Iterable[Any] | None = None) -> None:
+        self.schemas = parameter_schemas(tools)
+
     def stream(self) -> ToolCallStream:
         """A fresh incremental parser for one reply."""
-        return ToolCallStream(self.markers, self.opener(), self.new_id)
+        return ToolCallStream(self.blocks(), self.opener(), self.new_id)
+
+    def blocks(self) -> Mapping[str, Callable[[], Block]]:
+        """Marker text -> the block that reads the markup after it (``markers`` unless a format
+        needs the request's tools to read its markup)."""
+        return self.markers
 
     def parse(self, text: str) -> ParsedOutput:
         """The whole reply at once: exactly what ``stream()`` gives for it, reassembled."""
