@@ -10,6 +10,9 @@ mix of decode rows and prefill chunks that fits them.
 
 ``decode_rows`` (static) marks a decode step's layout: row ``s`` is sequence ``s``'s one new
 token or padding, so attention can run the padded ``[num_seqs, 1]`` contract on it.
+
+``state_slots`` names each sequence's state slot in a model with linear-attention layers
+(``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class StepBatch:
     page_indices: jax.Array  # [num_seqs, pages_per_seq] int32
     last_rows: jax.Array  # [num_seqs] int32, each sequence's last new row (its logits' row)
     decode_rows: bool = struct.field(pytree_node=False, default=False)
+    state_slots: jax.Array | None = None  # [num_seqs] int32, each sequence's state slot
 
     @property
     def num_seqs(self) -> int:
