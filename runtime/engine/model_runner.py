@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.registry import ModelSpec
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, to_stored
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
@@ -36,6 +37,9 @@ from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, repli
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
 MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
+# The state slot of padding sequences (and of sequences of models without state slots): out of
+# range, so a step reads zeros for it and writes nothing (models.layers.linear_attention).
+NO_STATE_SLOT = 2**30
 
 
 @dataclass
@@ -199,6 +203,7 @@ class ModelRunner:
         q_starts = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         page_indices = np.zeros((num_seqs, pages), np.int32)
+        state_slots = np.full(num_seqs, NO_STATE_SLOT, np.int32)
         row = 0
         for s, item in enumerate(items):
             seq, end, rows = item.seq, item.start + item.length, slice(row, row + item.length)
@@ -212,13 +217,16 @@ class ModelRunner:
             # the step neither reads nor writes: the bucket covers the positions it does.
             held = min(len(seq.pages), pages)
             page_indices[s, :held] = seq.pages[:held]
+            if seq.state_slot is not None:
+                state_slots[s] = seq.state_slot
         valid = np.arange(num_tokens) < row
         last_rows = np.maximum(q_starts[1:] - 1, 0)
         decode = batch.kind is StepKind.DECODE
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(
-            tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode
-        )
+            tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode,
+            state_slots,
+        )  # fmt: skip
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
 
@@ -249,7 +257,9 @@ class ModelRunner:
         return mask
 
 
-def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+def _fill_pages(cache: KVCache | HybridCache, pages: jax.Array) -> KVCache | HybridCache:
+    if isinstance(cache, HybridCache):  # the pages are the full-attention layers' K/V
+        return cache.replace(kv=_fill_pages(cache.kv, pages))
     nan = jnp.asarray(jnp.nan, jnp.float32)
     # to_stored: a cache in integer storage gets NaN's bits, not NaN cast to an integer (0).
     return jax.tree.map(lambda a: a.at[:, pages].set(to_stored(nan, a.dtype)), cache)
@@ -376,5 +386,6 @@ def _empty_inputs(
         zeros((num_seqs, pages)),
         zeros(num_seqs),
         decode_rows=num_tokens == num_seqs,  # mixed steps have more tokens than sequences
+        state_slots=np.full(num_seqs, NO_STATE_SLOT, np.int32),
     )
     return batch, empty_sampling_metadata(num_seqs, vocab_size)

@@ -13,6 +13,11 @@ see ``runtime.loading.builder.mixed_steps``) a step is one prefill chunk or a de
 running sequence, and when both wait they alternate. When a decode needs a page and none is free, the newest running
 sequence is preempted: its pages are freed and it is recomputed later.
 
+Models with linear-attention layers (Qwen3-Next, Qwen3.5) also keep a state slot per running
+sequence (``state_slots``: taken when it starts running, given back when it finishes or is
+preempted). Their prefix cache is off (a reused prefix's pages would lack its recurrent
+state), and forks of ``n > 1`` recompute the prompt from scratch for the same reason.
+
 Prefix caching: every full page a sequence computes is registered under its prefix hash; a
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
 registered prefix, by reference count, and computes only the rest. At least one token is always
@@ -33,6 +38,7 @@ from jax_llm_runtime.runtime.engine.buckets import fit_tokens
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator, page_hash
 from jax_llm_runtime.runtime.engine.request import FinishReason
 from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+from jax_llm_runtime.runtime.engine.state_slots import StateSlots
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +90,13 @@ class Scheduler:
         multi_step_seqs: int | None = None,
         prefix_cost: int | None = None,
         prefill_only_tokens: int | None = None,
+        state_slots: bool = False,
     ) -> None:
         self.allocator = allocator
+        # A state slot per running sequence (linear-attention models), else None.
+        self.state_slots = StateSlots(max_num_seqs) if state_slots else None
+        if state_slots and prefix_cache:
+            raise ValueError("the prefix cache cannot be used with state slots (linear attention)")
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -259,6 +270,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._release_pages(seq)
@@ -316,6 +328,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.take()
             if self.prefix_cache and seq.num_preemptions == 0:
                 seq.num_cached_tokens = reused * self.page_size
                 self.num_cache_queried_tokens += len(seq.prompt_ids)
@@ -385,6 +399,11 @@ class Scheduler:
         seq.pages = []
         seq.num_computed = seq.num_registered_pages = 0
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.state_slots.give_back(seq.state_slot)
+            seq.state_slot = None
+
     def _release_forks(self, parent: Sequence) -> None:
         """Start the parent's forks (n > 1) on its computed prompt.
 
@@ -392,7 +411,9 @@ class Scheduler:
         its last token, and recomputes from there: at least one token, whose logits give the fork
         its own first sample. Full pages are never written again, so sharing them is safe.
         """
-        shared = (len(parent.prompt_ids) - 1) // self.page_size
+        # With state slots a fork shares nothing: its layers' state at the shared prefix is
+        # not kept, so it recomputes the prompt from position 0.
+        shared = 0 if self.state_slots is not None else (len(parent.prompt_ids) - 1) // self.page_size
         for fork in parent.forks:
             for page in parent.pages[:shared]:
                 self.allocator.share(page)
@@ -407,6 +428,7 @@ class Scheduler:
         """Free a running sequence's pages; it waits at the front and is recomputed from scratch."""
         self.running.remove(seq)
         self._release_pages(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

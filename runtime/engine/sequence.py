@@ -44,6 +44,8 @@ class Sequence:
     matcher: GrammarMatcher | None = None
     # n > 1: sibling sequences parked until this one's prompt is computed, then started on its pages.
     forks: list[Sequence] = field(default_factory=list)
+    # Models with linear-attention layers: the state slot the sequence holds while it runs.
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
