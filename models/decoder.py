@@ -114,10 +114,7 @@ class DecoderConfig:
         check_activation(self.activation)
         if self.moe_layers and self.moe is None:
             raise ValueError("moe_layers needs a moe config")
-        if any(self.linear_layers) and self.linear_attention is None:
-            raise ValueError("linear_layers need a linear_attention config")
-        if self.linear_layers and all(self.linear_layers):
-            raise ValueError("a model needs at least one full-attention layer")
+        self._check_linear_layers()
         names = ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers", "linear_layers")
         for name in names:
             flags = getattr(self, name)
@@ -140,6 +137,12 @@ class DecoderConfig:
             raise ValueError("sliding layers need a sliding_window")
         if self.final_soft_cap is not None and not self.final_soft_cap > 0:
             raise ValueError(f"final logit soft-cap must be > 0, got {self.final_soft_cap}")
+
+    def _check_linear_layers(self) -> None:
+        if any(self.linear_layers) and self.linear_attention is None:
+            raise ValueError("linear_layers need a linear_attention config")
+        if self.linear_layers and all(self.linear_layers):
+            raise ValueError("a model needs at least one full-attention layer")
 
     @property
     def num_kv_heads(self) -> int:

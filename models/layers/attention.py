@@ -165,8 +165,8 @@ def output_gate(
     if not cfg.output_gate:
         return q, None
     q = q.reshape(*lead, cfg.num_heads, 2 * cfg.head_dim)
-    width = cfg.num_heads * cfg.head_dim
-    return q[..., : cfg.head_dim].reshape(*lead, width), q[..., cfg.head_dim :].reshape(*lead, width)
+    width, d = cfg.num_heads * cfg.head_dim, cfg.head_dim
+    return q[..., :d].reshape(*lead, width), q[..., d:].reshape(*lead, width)
 
 
 def project_qkv(

@@ -276,9 +276,8 @@ def paged_linear_attention(
     rec = jnp.take(cache.recurrent[index], slots, axis=0, mode="fill", fill_value=0)
     state = SlotState(jnp.where(fresh, 0, conv), jnp.where(fresh[..., None], 0, rec))
     out, state = mix(layer, xs, valid, q_lens, state)
-    flat = jnp.zeros_like(x).at[rows.reshape(-1)].set(
-        out.reshape(-1, x.shape[-1]).astype(x.dtype), mode="drop"
-    )
+    out = out.reshape(-1, x.shape[-1]).astype(x.dtype)
+    flat = jnp.zeros_like(x).at[rows.reshape(-1)].set(out, mode="drop")
     cache = cache.replace(
         conv=cache.conv.at[index, slots].set(state.conv.astype(cache.conv.dtype), mode="drop"),
         recurrent=cache.recurrent.at[index, slots].set(state.recurrent, mode="drop"),

@@ -413,7 +413,9 @@ class Scheduler:
         """
         # With state slots a fork shares nothing: its layers' state at the shared prefix is
         # not kept, so it recomputes the prompt from position 0.
-        shared = 0 if self.state_slots is not None else (len(parent.prompt_ids) - 1) // self.page_size
+        shared = (len(parent.prompt_ids) - 1) // self.page_size
+        if self.state_slots is not None:
+            shared = 0
         for fork in parent.forks:
             for page in parent.pages[:shared]:
                 self.allocator.share(page)

@@ -24,7 +24,10 @@ HYBRID = dict(
 # Linear, full, linear, full: the layer scan's segments alternate.
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 MOE = dict(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
 )
 
 
@@ -109,6 +112,7 @@ def test_gated_delta_rule_forms_match_transformers(seq_len):
     ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(q, k, v, **kw)
     chunk_out, chunk_state = hf.torch_chunk_gated_delta_rule(q, k, v, chunk_size=4, **kw)
     np.testing.assert_allclose(chunk_out.numpy(), ref_out.numpy(), atol=1e-4)
+    np.testing.assert_allclose(chunk_state.numpy(), ref_state.numpy(), atol=1e-4)
     qn, kn = gdr.normed_queries_keys(jnp.asarray(q.numpy()), jnp.asarray(k.numpy()), 4)
     args = (qn, kn, *(jnp.asarray(t.numpy()) for t in (v, decay, beta, state)))
     for out, new_state in (gdr.recurrent(*args), gdr.chunked(*args, chunk_size=4)):
@@ -129,7 +133,9 @@ def test_padding_tokens_leave_the_state_unchanged():
     want = gdr.recurrent(qn[:, :real], kn[:, :real], v[:, :real], decay[:, :real],
                          beta[:, :real], state)[1]  # fmt: skip
     for rule in (gdr.recurrent, gdr.chunked):
-        got = rule(qn, kn, v, decay, beta, state, **({"chunk_size": 4} if rule is gdr.chunked else {}))
+        got = rule(
+            qn, kn, v, decay, beta, state, **({"chunk_size": 4} if rule is gdr.chunked else {})
+        )
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want), atol=1e-5)
 
 
@@ -188,4 +194,3 @@ def test_tensor_parallel_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1 is not supported") as error:
         configure_model(config, hf)
     assert "\n" not in str(error.value)
-
