@@ -1,7 +1,8 @@
 """The hybrid cache of linear-attention models through the scheduler and the model runner: a tiny
 random Qwen3.5 (linear, full, linear, full layers) gives HF's greedy tokens alone, in mixed
-steps with other sequences, after preemption (a slot given back and taken again, its stale state
-ignored), and for both sequences of ``n = 2``; its state slots are all free at the end.
+steps with other sequences, with several decode steps per call, after preemption (a slot given
+back and taken again, its stale state ignored), and for both sequences of ``n = 2``; its state
+slots are all free at the end.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def setup(tmp_path_factory) -> Setup:
     return Setup(model, runner, prompts, expected)
 
 
-def _scheduler(setup: Setup, num_pages: int):
+def _scheduler(setup: Setup, num_pages: int, decode_steps: int = 1):
     from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
     from jax_llm_runtime.runtime.engine.scheduler import Scheduler
 
@@ -70,6 +71,7 @@ def _scheduler(setup: Setup, num_pages: int):
         prefix_cache=False,
         max_num_batched_tokens=16,
         state_slots=True,
+        decode_steps=decode_steps,
     )
 
 
@@ -121,6 +123,16 @@ def test_after_preemption(setup: Setup) -> None:
     _run(setup, scheduler, seqs)
     assert scheduler.num_preemptions > 0
     assert [s.output_ids for s in seqs] == setup.expected
+
+
+def test_multi_step_decode(setup: Setup) -> None:
+    """Several decode steps in one call carry the state from step to step on the device."""
+    plan = setup.runner.plan
+    setup.runner.compiled.compile_now([(1, 1, p, 4) for p in plan.pages if p <= 8])
+    seq = _sequence("multi", setup.prompts[1], 0)
+    batches = _run(setup, _scheduler(setup, 64, decode_steps=4), [seq])
+    assert any(b.num_steps == 4 for b in batches)
+    assert seq.output_ids == setup.expected[1]
 
 
 def test_n_2_forks_recompute_the_prompt(setup: Setup) -> None:
