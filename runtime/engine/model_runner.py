@@ -99,6 +99,7 @@ class ModelRunner:
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
         self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
+        self._copy_slots = jax.jit(_copy_state_slots, donate_argnums=(0,))
         # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
@@ -143,6 +144,8 @@ class ModelRunner:
         compiled, else one step (the scheduler takes however many tokens come back). Logprobs
         are copied to the host only when a sequence that samples in this step asked.
         """
+        if batch.state_copies:
+            self.copy_state_slots(batch.state_copies)
         step_batch, meta = self._prepare(batch)
         steps = batch.num_steps if (*_shape(step_batch), batch.num_steps) in self.compiled else 1
         if steps > 1:
@@ -191,6 +194,18 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror("fill_page_ids", ids)
         self.cache = self._fill(self.cache, ids)
+
+    def copy_state_slots(self, copies: Iterable[tuple[int, int]]) -> None:
+        """Copy each (source, destination) state slot of a linear-attention model's cache (the
+        forks of n > 1 start from their parent's state). The pairs are padded to a power of two
+        by repeating the first, so few shapes compile; ``mirror`` sees the call first."""
+        pairs = list(copies)
+        padded = np.asarray(pairs + pairs[:1] * ((1 << (len(pairs) - 1).bit_length()) - len(pairs)))
+        if self.mirror is not None:
+            self.mirror("copy_state_slots", tuple(map(tuple, padded.tolist())))
+        self.cache = self._copy_slots(
+            self.cache, padded[:, 0].astype(np.int32), padded[:, 1].astype(np.int32)
+        )
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
         items = batch.items
@@ -263,6 +278,17 @@ def _fill_pages(cache: KVCache | HybridCache, pages: jax.Array) -> KVCache | Hyb
     nan = jnp.asarray(jnp.nan, jnp.float32)
     # to_stored: a cache in integer storage gets NaN's bits, not NaN cast to an integer (0).
     return jax.tree.map(lambda a: a.at[:, pages].set(to_stored(nan, a.dtype)), cache)
+
+
+def _copy_state_slots(
+    cache: HybridCache,
+    sources: jax.Array,  # [n] int32
+    destinations: jax.Array,  # [n] int32
+) -> HybridCache:
+    return cache.replace(
+        conv=cache.conv.at[:, destinations].set(cache.conv[:, sources]),
+        recurrent=cache.recurrent.at[:, destinations].set(cache.recurrent[:, sources]),
+    )
 
 
 def _constrained(

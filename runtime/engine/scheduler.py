@@ -16,7 +16,10 @@ sequence is preempted: its pages are freed and it is recomputed later.
 Models with linear-attention layers (Qwen3-Next, Qwen3.5) also keep a state slot per running
 sequence (``state_slots``: taken when it starts running, given back when it finishes or is
 preempted). Their prefix cache is off (a reused prefix's pages would lack its recurrent
-state), and forks of ``n > 1`` recompute the prompt from scratch for the same reason.
+state). The forks of ``n > 1`` share the parent's full prompt pages as usual: the parent's
+prefill stops at the end of the last of them, and each fork takes a slot there and has the
+parent's state copied into it (``ScheduledBatch.state_copies``, applied before the next step
+runs); a fork that finds no free slot recomputes the prompt from scratch.
 
 Prefix caching: every full page a sequence computes is registered under its prefix hash; a
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
@@ -27,6 +30,7 @@ sharing them is safe.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections import deque
@@ -70,6 +74,9 @@ class ScheduledBatch:
     kind: StepKind
     items: tuple[ScheduledSeq, ...]
     num_steps: int = 1
+    # (source, destination) state slots to copy before the step runs: forks of n > 1 starting
+    # from their parent's state (linear-attention models).
+    state_copies: tuple[tuple[int, int], ...] = ()
 
 
 class Scheduler:
@@ -95,6 +102,7 @@ class Scheduler:
         self.allocator = allocator
         # A state slot per running sequence (linear-attention models), else None.
         self.state_slots = StateSlots(max_num_seqs) if state_slots else None
+        self._state_copies: list[tuple[int, int]] = []  # for the next batch
         if state_slots and prefix_cache:
             raise ValueError("the prefix cache cannot be used with state slots (linear attention)")
         self.page_size = allocator.page_size
@@ -147,8 +155,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work, allocating the pages it writes; None when idle."""
-        if not self.mixed:
-            return self._alternating()
+        batch = self._mixed() if self.mixed else self._alternating()
+        if batch is not None and self._state_copies:
+            batch = dataclasses.replace(batch, state_copies=tuple(self._state_copies))
+            self._state_copies.clear()
+        return batch
+
+    def _mixed(self) -> ScheduledBatch | None:
+        """Decode rows and prefill chunks in one step."""
         decodes = [s for s in self.running if s.num_pending == 1]
         prefill_waits = self._prefill_waits()
         steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
@@ -225,7 +239,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = item.start + item.length
-            if seq.forks and seq.num_computed >= len(seq.prompt_ids):
+            if seq.forks and seq.num_computed >= self._fork_point(seq):
                 self._release_forks(seq)
             reason, sampled_here = None, item.reaches_end  # before the new tokens extend it
             for i, token in enumerate(int(t) for t in (tokens if sampled_here else ())):
@@ -270,10 +284,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._release_slot(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._release_pages(seq)
+        self._release_slot(seq)  # a fork waiting with its parent's state holds one too
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -294,7 +308,7 @@ class Scheduler:
             if limit is not None and len(chunks) == limit:
                 break
             room = (budget or self.max_num_batched_tokens) - cost
-            if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
+            if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room(seq)):
                 break
             chunk = self._prefill_chunk(seq, room)
             if chunk is None:
@@ -308,8 +322,13 @@ class Scheduler:
             chunks[-1] = ScheduledSeq(last.seq, last.start, length)
         return tuple(chunks)
 
-    def _has_room(self) -> bool:
-        return len(self.running) < self.max_num_seqs
+    def _has_room(self, seq: Sequence | None = None) -> bool:
+        """Whether the running set takes one more (``seq``, which needs a state slot unless it
+        holds one already)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        slots = self.state_slots
+        return slots is None or seq is None or seq.state_slot is not None or slots.num_free > 0
 
     def _prefill_chunk(self, seq: Sequence, room: int) -> ScheduledSeq | None:
         """The sequence's next chunk (at most ``room`` tokens), its pages allocated and a
@@ -318,6 +337,8 @@ class Scheduler:
         reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
         affordable = chunk_tokens(seq.num_computed, room, self.prefix_cost)
         length = min(seq.num_pending, self.prefill_chunk_size, affordable)
+        if seq.forks and seq.num_computed < self._fork_point(seq):  # the forks start there
+            length = min(length, self._fork_point(seq) - seq.num_computed)
         needed = self._pages_needed(seq, seq.num_computed + length)
         if not self.allocator.can_allocate(needed):
             if reused:  # give the cached pages back until it can start
@@ -328,7 +349,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if self.state_slots is not None:
+            if self.state_slots is not None and seq.state_slot is None:
                 seq.state_slot = self.state_slots.take()
             if self.prefix_cache and seq.num_preemptions == 0:
                 seq.num_cached_tokens = reused * self.page_size
@@ -404,19 +425,32 @@ class Scheduler:
             self.state_slots.give_back(seq.state_slot)
             seq.state_slot = None
 
+    def _fork_point(self, parent: Sequence) -> int:
+        """How much of its prompt a parent computes before its forks start: all of it, or, with
+        state slots, its full pages but the one holding its last token (where the forks start,
+        from a copy of its state then)."""
+        if self.state_slots is None:
+            return len(parent.prompt_ids)
+        return (len(parent.prompt_ids) - 1) // self.page_size * self.page_size
+
     def _release_forks(self, parent: Sequence) -> None:
         """Start the parent's forks (n > 1) on its computed prompt.
 
         Each fork shares, by reference count, every full page of the prompt except the one holding
         its last token, and recomputes from there: at least one token, whose logits give the fork
-        its own first sample. Full pages are never written again, so sharing them is safe.
+        its own first sample. Full pages are never written again, so sharing them is safe. With
+        state slots each fork also takes a slot now, into which the parent's state (at exactly
+        those pages' end: ``_fork_point``) is copied before the next step; without a free slot
+        it shares nothing and recomputes the prompt.
         """
-        # With state slots a fork shares nothing: its layers' state at the shared prefix is
-        # not kept, so it recomputes the prompt from position 0.
         shared = (len(parent.prompt_ids) - 1) // self.page_size
-        if self.state_slots is not None:
-            shared = 0
+        slots = self.state_slots
         for fork in parent.forks:
+            if slots is not None and (not shared or not slots.num_free):
+                continue  # from position 0: a fresh state, nothing to share
+            if slots is not None:
+                fork.state_slot = slots.take()
+                self._state_copies.append((parent.state_slot, fork.state_slot))
             for page in parent.pages[:shared]:
                 self.allocator.share(page)
             fork.pages = parent.pages[:shared]

@@ -272,7 +272,7 @@ def _scheduler(
     if slots and config.prefix_cache:
         logger.info(
             "prefix cache: off (linear-attention layers keep a recurrent state per sequence "
-            "that a reused prefix of K/V pages would lack; n > 1 forks recompute the prompt)"
+            "that a reused prefix of K/V pages would lack)"
         )
     return Scheduler(
         allocator,

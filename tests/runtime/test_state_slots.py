@@ -1,7 +1,7 @@
 """The hybrid cache of linear-attention models through the scheduler and the model runner: a tiny
 random Qwen3.5 (linear, full, linear, full layers) gives HF's greedy tokens alone, in mixed
 steps with other sequences, with several decode steps per call, after preemption (a slot given
-back and taken again, its stale state ignored), and for both sequences of ``n = 2``; its state
+back and taken again, its stale state ignored), and for both sequences of ``n = 2`` (the fork from a copy of its parent's state); its state
 slots are all free at the end.
 """
 
@@ -135,12 +135,24 @@ def test_multi_step_decode(setup: Setup) -> None:
     assert seq.output_ids == setup.expected[1]
 
 
-def test_n_2_forks_recompute_the_prompt(setup: Setup) -> None:
+@pytest.mark.parametrize("free_slots", [True, False])
+def test_n_2_fork_starts_from_a_copy_of_the_parent_state(setup: Setup, free_slots: bool) -> None:
+    """The parent's 13-token prompt is computed up to its last full page (12 tokens); the fork
+    shares those pages, gets the parent's state copied into its own slot and computes from
+    position 12. Without a free slot then, it recomputes the prompt from position 0."""
     scheduler = _scheduler(setup, 64)
-    parent, fork = (_sequence(f"n2-{i}", setup.prompts[1], i) for i in range(2))
+    # Three short prompts ahead of the parent hold the other slots until after the fork point.
+    others = [] if free_slots else [_sequence(f"busy-{i}", [7, 8], i) for i in range(3)]
+    parent, fork = (_sequence(f"n2-{i}", setup.prompts[1], 3 + i) for i in range(2))
     parent.forks = [fork]
-    _run(setup, scheduler, [parent])
+    batches = _run(setup, scheduler, [*others, parent])
     assert parent.output_ids == fork.output_ids == setup.expected[1]
+    copies = [b.state_copies for b in batches if b.state_copies]
+    starts = [item.start for b in batches for item in b.items if item.seq is fork]
+    if free_slots:
+        assert (copies, starts[0]) == ([((0, 1),)], 12)  # the parent in slot 0, the fork in 1
+    else:
+        assert (copies, starts[0]) == ([], 0)
 
 
 def test_state_slots_are_taken_and_given_back() -> None:
