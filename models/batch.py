@@ -12,7 +12,9 @@ mix of decode rows and prefill chunks that fits them.
 token or padding, so attention can run the padded ``[num_seqs, 1]`` contract on it.
 
 ``state_slots`` names each sequence's state slot in a model with linear-attention layers
-(``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``.
+(``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``. In a mixed
+step of such a model, ``single_chunk`` (static) says that at most one sequence has more than
+one new token (the scheduler gives those models one prompt chunk per step).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class StepBatch:
     last_rows: jax.Array  # [num_seqs] int32, each sequence's last new row (its logits' row)
     decode_rows: bool = struct.field(pytree_node=False, default=False)
     state_slots: jax.Array | None = None  # [num_seqs] int32, each sequence's state slot
+    single_chunk: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def num_seqs(self) -> int:

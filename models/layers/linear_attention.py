@@ -257,25 +257,52 @@ def paged_linear_attention(
 ) -> tuple[jax.Array, HybridCache]:  # [num_tokens, hidden]
     """One layer over a step's ragged run: each sequence's rows are gathered into a padded row
     (one token per sequence in a decode step), run from its slot's state, scattered back, and
-    its slot updated."""
+    its slot updated.
+
+    Padding every sequence of a mixed step to the whole run would multiply the work by the
+    sequence count, so a ``single_chunk`` step (every sequence one token but at most one: the
+    scheduler's guarantee) runs its one-token sequences as one recurrent step each and the
+    chunk as one padded row."""
     num_tokens, num_seqs = x.shape[0], batch.num_seqs
     q_lens = batch.q_lens
-    # A decode step's row s is sequence s's token (q_starts need not say so: see StepBatch).
-    width = 1 if batch.decode_rows else num_tokens
-    starts = jnp.arange(num_seqs) if batch.decode_rows else batch.q_starts[:-1]
-    rows = starts[:, None] + jnp.arange(width)[None, :]  # [num_seqs, width]
-    valid = jnp.arange(width)[None, :] < q_lens[:, None]
+    slots = batch.state_slots if batch.state_slots is not None else jnp.arange(num_seqs)
+    if batch.decode_rows:  # row s is sequence s's token (q_starts need not say so: StepBatch)
+        return _rows(layer, x, cache, index, batch, (jnp.arange(num_seqs), q_lens, slots), 1)
+    starts = batch.q_starts[:-1]
+    if not batch.single_chunk or num_seqs == 1:
+        return _rows(layer, x, cache, index, batch, (starts, q_lens, slots), num_tokens)
+    ones = jnp.where(q_lens == 1, 1, 0)
+    out, cache = _rows(layer, x, cache, index, batch, (starts, ones, slots), 1)
+    c = jnp.argmax(q_lens)  # the chunk, if the step has one
+    chunk = (starts[c][None], jnp.where(q_lens[c] > 1, q_lens[c], 0)[None], slots[c][None])
+    chunk_out, cache = _rows(layer, x, cache, index, batch, chunk, num_tokens)
+    return out + chunk_out, cache
+
+
+def _rows(
+    layer: GatedDeltaNet,
+    x: jax.Array,  # [num_tokens, hidden]
+    cache: HybridCache,
+    index: jax.Array,  # [] int32
+    batch: StepBatch,
+    group: tuple[jax.Array, jax.Array, jax.Array],  # [n] int32 each: first rows, lengths, slots
+    width: int,
+) -> tuple[jax.Array, HybridCache]:  # [num_tokens, hidden], zero outside the group's rows
+    """The layer over ``n`` row runs of the step (run ``i``: ``lengths[i]`` rows from
+    ``starts[i]``, padded to ``width``; length 0: nothing), each continuing from its slot."""
+    starts, lengths, slots = group
+    num_tokens = x.shape[0]
+    rows = starts[:, None] + jnp.arange(width)[None, :]  # [n, width]
+    valid = jnp.arange(width)[None, :] < lengths[:, None]
     rows = jnp.where(valid, rows, num_tokens)  # out of range: padding
     xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
-    slots = batch.state_slots if batch.state_slots is not None else jnp.arange(num_seqs)
-    slots = jnp.where(q_lens > 0, slots, cache.num_slots)  # padding sequences: no slot
+    slots = jnp.where(lengths > 0, slots, cache.num_slots)  # no rows: no slot
     # A sequence whose first new token is at position 0 is new (or recomputed): zero state.
-    first = jnp.take(batch.positions, starts, mode="clip")
-    fresh = (first == 0)[:, None, None]
+    fresh = (jnp.take(batch.positions, starts, mode="clip") == 0)[:, None, None]
     conv = jnp.take(cache.conv[index], slots, axis=0, mode="fill", fill_value=0)
     rec = jnp.take(cache.recurrent[index], slots, axis=0, mode="fill", fill_value=0)
     state = SlotState(jnp.where(fresh, 0, conv), jnp.where(fresh[..., None], 0, rec))
-    out, state = mix(layer, xs, valid, q_lens, state)
+    out, state = mix(layer, xs, valid, lengths, state)
     out = out.reshape(-1, x.shape[-1]).astype(x.dtype)
     flat = jnp.zeros_like(x).at[rows.reshape(-1)].set(out, mode="drop")
     cache = cache.replace(

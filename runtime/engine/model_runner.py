@@ -131,7 +131,8 @@ class ModelRunner:
         return first, rest
 
     def _lower(self, key: tuple[int, int, int, int]) -> Any:
-        batch, meta = host_inputs(_empty_inputs(*key[:3], self.vocab_size), self.input_sharding)
+        inputs = _empty_inputs(*key[:3], self.vocab_size, self._single_chunk(key[1], key[0]))
+        batch, meta = host_inputs(inputs, self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
             return self._step.lower(weights, cache, batch, meta)
@@ -237,13 +238,22 @@ class ModelRunner:
         valid = np.arange(num_tokens) < row
         last_rows = np.maximum(q_starts[1:] - 1, 0)
         decode = batch.kind is StepKind.DECODE
+        single = self._single_chunk(num_seqs, num_tokens) and not decode
+        if single and sum(item.length > 1 for item in items) > 1:
+            raise RuntimeError("a mixed step of a linear-attention model has several prompt chunks")
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(
             tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode,
-            state_slots,
+            state_slots, single,
         )  # fmt: skip
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _single_chunk(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether a step of this shape is a mixed step of a linear-attention model, which the
+        scheduler gives one prompt chunk at most (``StepBatch.single_chunk``)."""
+        mixed = num_seqs > 1 and num_tokens != num_seqs  # as _empty_inputs tells decode steps
+        return mixed and isinstance(self.cache, HybridCache)
 
     def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(num_tokens, num_seqs) of the compiled shape the batch is padded to."""
@@ -398,7 +408,7 @@ def _shape(batch: StepBatch) -> tuple[int, int, int]:
 
 
 def _empty_inputs(
-    num_tokens: int, num_seqs: int, pages: int, vocab_size: int
+    num_tokens: int, num_seqs: int, pages: int, vocab_size: int, single_chunk: bool = False
 ) -> tuple[StepBatch, SamplingMetadata]:
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
@@ -413,5 +423,6 @@ def _empty_inputs(
         zeros(num_seqs),
         decode_rows=num_tokens == num_seqs,  # mixed steps have more tokens than sequences
         state_slots=np.full(num_seqs, NO_STATE_SLOT, np.int32),
+        single_chunk=single_chunk,
     )
     return batch, empty_sampling_metadata(num_seqs, vocab_size)

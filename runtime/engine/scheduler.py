@@ -16,7 +16,8 @@ sequence is preempted: its pages are freed and it is recomputed later.
 Models with linear-attention layers (Qwen3-Next, Qwen3.5) also keep a state slot per running
 sequence (``state_slots``: taken when it starts running, given back when it finishes or is
 preempted). Their prefix cache is off (a reused prefix's pages would lack its recurrent
-state). The forks of ``n > 1`` share the parent's full prompt pages as usual: the parent's
+state), and a step runs at most one prompt chunk besides its decode rows (the layers run a
+chunk as one padded row and every other sequence as a single token). The forks of ``n > 1`` share the parent's full prompt pages as usual: the parent's
 prefill stops at the end of the last of them, and each fork takes a slot there and has the
 parent's state copied into it (``ScheduledBatch.state_copies``, applied before the next step
 runs); a fork that finds no free slot recomputes the prompt from scratch.
@@ -168,7 +169,9 @@ class Scheduler:
         steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
         items = self._decode_items(decodes, steps)
         budget = self.max_num_batched_tokens if items else self.prefill_only_tokens
-        chunks = self._prefill_chunks(len(items), budget=budget) if prefill_waits else ()
+        # One prompt chunk per step for linear-attention models (StepBatch.single_chunk).
+        limit = 1 if self.state_slots is not None else None
+        chunks = self._prefill_chunks(len(items), limit, budget) if prefill_waits else ()
         if chunks:
             return ScheduledBatch(StepKind.PREFILL, items + chunks)
         if not items:

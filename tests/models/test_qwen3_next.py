@@ -1,6 +1,6 @@
 """Hybrid linear-attention models against HF transformers on tiny random models (harness.py):
 Qwen3-Next (fused projections, MoE with a gated shared expert, a dense layer between MoE ones),
-Qwen3.5 dense and MoE, and the multimodal Qwen3.5 checkpoint served as its text model; the
+Qwen3.5 dense, and a multimodal Qwen3.5-MoE checkpoint served as its text model; the
 gated delta rule's two forms and the causal convolution against transformers' torch fallbacks.
 """
 
@@ -58,31 +58,30 @@ def test_qwen3_5_dense_default_layer_types(tmp_path):
     assert model.config.attention.rope.rotary_dim == 8
 
 
-def test_qwen3_5_moe(tmp_path):
-    hf = _config("Qwen3_5MoeTextConfig", layer_types=LAYER_TYPES, **MOE)
-    model = check_against_hf(hf, tmp_path, seed=2)
-    assert not model.config.linear_attention.fused_projections
-
-
-def test_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
+def test_qwen3_5_moe_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A multimodal Qwen3.5-MoE checkpoint (text model under ``model.language_model``, vision
+    tower skipped) against HF's MoE text model with the same weights."""
     import json
 
     import torch
     import transformers
 
-    text = {**HYBRID, "layer_types": LAYER_TYPES}
+    text = {**HYBRID, "layer_types": LAYER_TYPES, **MOE}
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64)
-    hf = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    hf.text_config._experts_implementation = "eager"
     torch.manual_seed(0)
-    full = transformers.Qwen3_5ForConditionalGeneration(hf).eval()
+    full = transformers.Qwen3_5MoeForConditionalGeneration(hf).eval()
     full.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
-        "Qwen3_5ForConditionalGeneration"
+        "Qwen3_5MoeForConditionalGeneration"
     ]
-    text_model = transformers.Qwen3_5ForCausalLM(hf.text_config).eval()
+    text_model = transformers.Qwen3_5MoeForCausalLM(hf.text_config).eval()
     text_model.model.load_state_dict(full.model.language_model.state_dict())
     text_model.lm_head.load_state_dict(full.lm_head.state_dict())
-    check_model(load_ours(tmp_path), text_model)
+    model = load_ours(tmp_path)
+    assert not model.config.linear_attention.fused_projections
+    check_model(model, text_model)
 
 
 def _gated_delta_inputs(seed: int, seq_len: int):
@@ -99,8 +98,8 @@ def _gated_delta_inputs(seed: int, seq_len: int):
     return q, k, v, decay, beta, state
 
 
-@pytest.mark.parametrize("seq_len", [1, 5, 11])
-def test_gated_delta_rule_forms_match_transformers(seq_len):
+@pytest.mark.parametrize(("seq_len", "chunk_size"), [(1, 4), (11, 4), (150, 64)])
+def test_gated_delta_rule_forms_match_transformers(seq_len, chunk_size):
     import jax.numpy as jnp
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
@@ -110,12 +109,12 @@ def test_gated_delta_rule_forms_match_transformers(seq_len):
     kw = dict(g=decay, beta=beta, initial_state=state, output_final_state=True,
               use_qk_l2norm_in_kernel=True)  # fmt: skip
     ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(q, k, v, **kw)
-    chunk_out, chunk_state = hf.torch_chunk_gated_delta_rule(q, k, v, chunk_size=4, **kw)
+    chunk_out, chunk_state = hf.torch_chunk_gated_delta_rule(q, k, v, chunk_size=chunk_size, **kw)
     np.testing.assert_allclose(chunk_out.numpy(), ref_out.numpy(), atol=1e-4)
     np.testing.assert_allclose(chunk_state.numpy(), ref_state.numpy(), atol=1e-4)
     qn, kn = gdr.normed_queries_keys(jnp.asarray(q.numpy()), jnp.asarray(k.numpy()), 4)
     args = (qn, kn, *(jnp.asarray(t.numpy()) for t in (v, decay, beta, state)))
-    for out, new_state in (gdr.recurrent(*args), gdr.chunked(*args, chunk_size=4)):
+    for out, new_state in (gdr.recurrent(*args), gdr.chunked(*args, chunk_size=chunk_size)):
         np.testing.assert_allclose(np.asarray(out), ref_out.numpy(), atol=1e-4)
         np.testing.assert_allclose(np.asarray(new_state), ref_state.numpy(), atol=1e-4)
 
