@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.models.harness import TINY, check_against_hf, check_model, load_ours
+from tests.models.harness import TINY, check_against_hf, check_model, load_ours, save_random_model
 
 HYBRID = dict(
     TINY,
@@ -51,11 +51,26 @@ def test_qwen3_next(tmp_path):
 
 
 def test_qwen3_5_dense_default_layer_types(tmp_path):
+    """Also the cache-free hidden states (embeddings, prompt logprobs) of a ragged batch."""
+    import torch
+
+    from jax_llm_runtime.models.decoder import hidden_states
+
     hf = _config("Qwen3_5TextConfig", rope_parameters={"rope_theta": 1e4,
                  "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]})  # fmt: skip
-    model = check_against_hf(hf, tmp_path, seed=1)
+    hf_model = save_random_model(hf, tmp_path, seed=1)
+    model = load_ours(tmp_path)
+    check_model(model, hf_model, seed=1)
     assert model.config.linear_layers == (True, True, True, False)  # full_attention_interval 4
     assert model.config.attention.rope.rotary_dim == 8
+    lengths = np.asarray([7, 12])
+    tokens = np.random.default_rng(0).integers(1, 256, (2, 12)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
+    ours = np.asarray(hidden_states(model.config, model.weights, tokens, positions, lengths))
+    for row, n in enumerate(lengths):
+        with torch.no_grad():
+            ref = hf_model.model(torch.tensor(tokens[row : row + 1, :n])).last_hidden_state
+        np.testing.assert_allclose(ours[row, :n], ref[0].numpy(), atol=1e-4)
 
 
 def test_qwen3_5_moe_multimodal_checkpoint_serves_its_text_model(tmp_path):
