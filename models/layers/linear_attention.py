@@ -299,8 +299,9 @@ def _rows(
     slots = jnp.where(lengths > 0, slots, cache.num_slots)  # no rows: no slot
     # A sequence whose first new token is at position 0 is new (or recomputed): zero state.
     fresh = (jnp.take(batch.positions, starts, mode="clip") == 0)[:, None, None]
-    conv = jnp.take(cache.conv[index], slots, axis=0, mode="fill", fill_value=0)
-    rec = jnp.take(cache.recurrent[index], slots, axis=0, mode="fill", fill_value=0)
+    # One gather of the step's slots (a slice of the layer first would copy all its slots).
+    conv = cache.conv.at[index, slots].get(mode="fill", fill_value=0)
+    rec = cache.recurrent.at[index, slots].get(mode="fill", fill_value=0)
     state = SlotState(jnp.where(fresh, 0, conv), jnp.where(fresh[..., None], 0, rec))
     out, state = mix(layer, xs, valid, lengths, state)
     out = out.reshape(-1, x.shape[-1]).astype(x.dtype)
