@@ -20,6 +20,7 @@ write nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,8 +86,7 @@ class LinearAttentionConfig:
     def slot_bytes(self, num_layers: int, dtype: jnp.dtype) -> int:
         """Bytes of one state slot (conv state in ``dtype``, recurrent state in float32)."""
         conv, rec = self.state_shapes(num_layers, 1)
-        count = lambda s: int(jnp.prod(jnp.asarray(s)))  # noqa: E731
-        return count(conv) * jnp.dtype(dtype).itemsize + count(rec) * 4
+        return math.prod(conv) * jnp.dtype(dtype).itemsize + math.prod(rec) * 4
 
 
 @struct.dataclass

@@ -508,5 +508,7 @@ def prefix_cost_positions(config: Any, attention_flop_cost: float = 1.0) -> int:
     attention = config.attention
     q_dim = attention.num_heads * getattr(attention, "head_dim", config.head_dim)
     token = 2 * (12 * d * d * layers + d * config.vocab_size)
-    per_position = 4 * layers * q_dim * attention_flop_cost
+    # Only the layers with K/V pages attend over the prefix (not linear-attention ones).
+    attending = getattr(config, "num_kv_layers", layers)
+    per_position = 4 * attending * q_dim * attention_flop_cost
     return max(1, round(token / per_position))

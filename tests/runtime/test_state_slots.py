@@ -165,3 +165,35 @@ def test_state_slots_are_taken_and_given_back() -> None:
     assert slots.take() == a
     with pytest.raises(ValueError, match="not in use"):
         slots.give_back(5)
+
+
+def test_a_fork_waits_with_its_slot_and_an_abort_gives_it_back() -> None:
+    """No model: the parent's prefill stops at its last full page (12 of 13 tokens), the fork
+    takes a slot there with a copy of the parent's state queued for the next batch, and an
+    aborted fork gives its slot back."""
+    from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
+    from jax_llm_runtime.runtime.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(
+        PageAllocator(64, PAGE_SIZE),
+        max_num_seqs=MAX_SEQS,
+        max_model_len=64,
+        prefill_chunk_size=8,
+        eos_token_ids=(),
+        prefix_cache=False,
+        state_slots=True,
+    )
+    parent, fork = (_sequence(f"abort-{i}", list(range(1, 14)), i) for i in range(2))
+    parent.forks = [fork]
+    scheduler.add(parent)
+    lengths = []
+    for _ in range(2):
+        batch = scheduler.schedule()
+        lengths.append(batch.items[0].length)
+        scheduler.update(batch, [[5]])
+    assert lengths == [8, 4] and fork.num_computed == 12 and len(fork.pages) == 3
+    batch = scheduler.schedule()
+    assert batch.state_copies == ((parent.state_slot, fork.state_slot),)
+    assert scheduler.state_slots.num_used == 2
+    scheduler.abort(fork.request_id)
+    assert fork.state_slot is None and scheduler.state_slots.num_used == 1
