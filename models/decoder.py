@@ -39,7 +39,10 @@ from jax_llm_runtime.models.layers.attention import AttentionConfig, LayerMeta
 from jax_llm_runtime.models.layers.decoder_layer import DecoderLayer, Segment
 from jax_llm_runtime.models.layers.embed import Embed
 from jax_llm_runtime.models.layers.linear import OPERAND_DTYPES, int8_operands, projection
-from jax_llm_runtime.models.layers.linear_attention import LinearAttentionConfig
+from jax_llm_runtime.models.layers.linear_attention import (
+    LINEAR_ATTENTION_QUANTIZED,
+    LinearAttentionConfig,
+)
 from jax_llm_runtime.models.layers.mla import MLAConfig, mla_cache_shapes
 from jax_llm_runtime.models.layers.mlp import check_activation
 from jax_llm_runtime.models.layers.moe import MoEConfig
@@ -203,7 +206,7 @@ QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
 # covers only the first set.
 QUANTIZED_FIELDS = frozenset(
     ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
-).union(("s_gate", "s_up", "s_down"))
+).union(("s_gate", "s_up", "s_down"), LINEAR_ATTENTION_QUANTIZED)
 PACKED_FIELDS = QUANTIZED_FIELDS.union(("e_gate", "e_up", "e_down"))
 # Logical axes of the KV cache's K and V (their row scales: the first four): each device keeps
 # the K/V of its own KV heads. MLA's latent cache has one KV "head", which stays whole.

@@ -69,7 +69,7 @@ class DecoderLayer(nnx.Module):
 
         self.attn_norm = norm("attn_norm")
         if is_linear:
-            self.attn = GatedDeltaNet(cfg.linear_attention, lead, h, dtype)
+            self.attn = GatedDeltaNet(cfg.linear_attention, lead, h, dtype, quantized)
         else:
             attention = MLA if isinstance(cfg.attention, MLAConfig) else Attention
             self.attn = attention(cfg.attention, lead, h, dtype, quantized)

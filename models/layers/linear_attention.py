@@ -21,7 +21,7 @@ write nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -30,13 +30,16 @@ from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers import gated_delta_rule as gdr
-from jax_llm_runtime.models.layers.linear import Linear
+from jax_llm_runtime.models.layers.linear import Linear, projection
 from jax_llm_runtime.models.layers.params import EMBED, Block, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
 # The logical axis of linear-attention heads' features. It is not split over a device mesh:
 # tensor parallelism is refused for these models (runtime.loading.builder).
 LINEAR_HEADS = "linear_heads"
+# The projections ``--isq`` (or a quantized checkpoint) may pack; b and a, one column per value
+# head, stay in the model dtype.
+LINEAR_ATTENTION_QUANTIZED = ("la_qkvz", "la_qkv", "la_z", "la_out")
 
 
 @dataclass(frozen=True)
@@ -137,13 +140,19 @@ class GatedDeltaNet(Block):
     """A layer's (or a stack of ``lead`` layers') Gated DeltaNet weights."""
 
     def __init__(
-        self, cfg: LinearAttentionConfig, lead: Sequence[int], hidden: int, dtype: jnp.dtype
+        self,
+        cfg: LinearAttentionConfig,
+        lead: Sequence[int],
+        hidden: int,
+        dtype: jnp.dtype,
+        quantized: Collection[str] = (),
     ) -> None:
         self.cfg = cfg
         stack = layer_axes(lead)
 
         def proj(width: int, field: str) -> Linear:
-            return Linear(lead, (hidden, width), (EMBED, LINEAR_HEADS), dtype, field)
+            features = (hidden, width), (EMBED, LINEAR_HEADS)
+            return projection(lead, *features, dtype, field, None, quantized)
 
         heads, r = cfg.num_v_heads, cfg.num_v_heads // cfg.num_k_heads
         if cfg.fused_projections:
@@ -161,7 +170,7 @@ class GatedDeltaNet(Block):
         self.a_log = declare((*lead, heads), dtype, (*stack, LINEAR_HEADS), "la_a_log")
         self.norm = declare((*lead, cfg.v_head_dim), dtype, (*stack, None), "la_norm")
         out = (cfg.value_dim, hidden), (LINEAR_HEADS, EMBED)
-        self.out = Linear(lead, *out, dtype, "la_out")
+        self.out = projection(lead, *out, dtype, "la_out", None, quantized)
 
     def __call__(
         self,

@@ -208,3 +208,32 @@ def test_tensor_parallel_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1 is not supported") as error:
         configure_model(config, hf)
     assert "\n" not in str(error.value)
+
+
+def test_int8_linear_attention_matches_hf_on_dequantized_weights(tmp_path):
+    """``--isq int8`` packs the linear-attention projections too (b and a stay float)."""
+    import dataclasses
+
+    import torch
+
+    from jax_llm_runtime.models.layers.linear import QuantizedWeight
+    from jax_llm_runtime.models.registry import get_model_spec
+    from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+    from tests.models.harness import Loaded
+    from tests.models.test_int8 import PROJECTIONS, _round_trip
+
+    hf = _config("Qwen3_5TextConfig", num_hidden_layers=2, layer_types=LAYER_TYPES[:2])
+    hf_model = save_random_model(hf, tmp_path)
+    checkpoint = load_hf_checkpoint(tmp_path)
+    spec = get_model_spec("Qwen3_5ForCausalLM")
+    config = dataclasses.replace(spec.config_from_hf(checkpoint.config), quantization="int8")
+    weights = spec.load(config, checkpoint.tensors(), np.float32, checkpoint.num_tensors)
+    linear = weights["segments"][0]
+    assert isinstance(linear["la_qkv"], QuantizedWeight)
+    assert not isinstance(linear["la_b"], QuantizedWeight)
+    packed = (*PROJECTIONS, "in_proj_qkv", "in_proj_z", "out_proj")
+    with torch.no_grad():
+        for name, module in hf_model.named_modules():
+            if name.rsplit(".", 1)[-1] in packed:
+                module.weight.copy_(_round_trip(module.weight))
+    check_model(Loaded(spec, config, weights), hf_model)
