@@ -19,12 +19,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_llm_runtime.models.layers.norms import row_mean
+
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's)
 CHUNK_SIZE = 64
 
 
 def l2norm(x: jax.Array) -> jax.Array:  # [..., dim] float32
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+    """x / sqrt(sum(x^2) + eps), the sum in an order independent of the row count
+    (``norms.row_mean``), so a sequence's numbers do not depend on its batch."""
+    return x * jax.lax.rsqrt(row_mean(x * x) * x.shape[-1] + L2_EPS)
 
 
 def normed_queries_keys(

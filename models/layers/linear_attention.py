@@ -31,6 +31,7 @@ from flax import struct
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers import gated_delta_rule as gdr
 from jax_llm_runtime.models.layers.linear import Linear, projection
+from jax_llm_runtime.models.layers.norms import row_mean
 from jax_llm_runtime.models.layers.params import EMBED, Block, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
@@ -252,7 +253,7 @@ def gated_rms_norm(
     """RMS norm of each head, times ``weight``, times silu(gate) (transformers'
     ``Qwen3NextRMSNormGated``: the normed value is rounded to x's dtype before the weight)."""
     xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    normed = (xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)).astype(x.dtype)
     out = weight.astype(x.dtype) * normed
     return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
