@@ -116,7 +116,7 @@ def unit_lower_inverse(
 ) -> jax.Array:  # [..., n, n]: (I + strict)^-1
     """The inverse of a unit lower-triangular matrix by repeated squaring: with M = -strict
     (nilpotent, M^n = 0), (I + strict)^-1 = (I + M)(I + M^2)(I + M^4)... — log2(n) batched
-    matmuls. (XLA:CPU's batched triangular solve took 50x longer than a whole chunked run.)"""
+    matmuls. (XLA:CPU's batched triangular solve took longer than the rest of a chunked run.)"""
     n = strict.shape[-1]
     power = -strict
     inverse = jnp.eye(n, dtype=strict.dtype) + power
