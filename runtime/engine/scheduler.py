@@ -17,10 +17,11 @@ Models with linear-attention layers (Qwen3-Next, Qwen3.5) also keep a state slot
 sequence (``state_slots``: taken when it starts running, given back when it finishes or is
 preempted). Their prefix cache is off (a reused prefix's pages would lack its recurrent
 state), and a step runs at most one prompt chunk besides its decode rows (the layers run a
-chunk as one padded row and every other sequence as a single token). The forks of ``n > 1`` share the parent's full prompt pages as usual: the parent's
-prefill stops at the end of the last of them, and each fork takes a slot there and has the
-parent's state copied into it (``ScheduledBatch.state_copies``, applied before the next step
-runs); a fork that finds no free slot recomputes the prompt from scratch.
+chunk as one padded row and every other sequence as a single token). The forks of ``n > 1``
+share the parent's full prompt pages as usual: the parent's prefill stops at the end of the
+last of them, and each fork takes a slot there and has the parent's state copied into it
+(``ScheduledBatch.state_copies``, applied before the next step runs); a fork that finds no
+free slot recomputes the prompt from scratch.
 
 Prefix caching: every full page a sequence computes is registered under its prefix hash; a
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
