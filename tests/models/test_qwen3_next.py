@@ -40,7 +40,9 @@ def _config(name: str, **fields):
 
 
 def test_qwen3_next(tmp_path):
-    hf = _config("Qwen3NextConfig", layer_types=LAYER_TYPES, mlp_only_layers=[2], **MOE)
+    # Three value heads per key head, value heads narrower than key heads, a 3-wide conv.
+    odd = dict(linear_num_value_heads=6, linear_value_head_dim=4, linear_conv_kernel_dim=3)
+    hf = _config("Qwen3NextConfig", layer_types=LAYER_TYPES, mlp_only_layers=[2], **odd, **MOE)
     model = check_against_hf(hf, tmp_path)
     cfg = model.config
     assert cfg.linear_layers == (True, False, True, False)
