@@ -18,6 +18,11 @@ token embeddings of the rows flagged in ``embed_rows`` (the image encoder's soft
 for an image token the last position of its image, so that the tokens of one image see each
 other both ways. The scheduler keeps an image's tokens in one chunk, so those keys are written
 in the step that reads them.
+
+``state_slots`` names each sequence's state slot in a model with linear-attention layers
+(``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``. In a mixed
+step of such a model, ``single_chunk`` (static) says that at most one sequence has more than
+one new token (the scheduler gives those models one prompt chunk per step).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class StepBatch:
     embeds: jax.Array | None = None  # [num_tokens, hidden] float, rows replacing embeddings
     embed_rows: jax.Array | None = None  # [num_tokens] bool, rows that take ``embeds``
     horizons: jax.Array | None = None  # [num_tokens] int32, last visible key position per row
+    state_slots: jax.Array | None = None  # [num_seqs] int32, each sequence's state slot
+    single_chunk: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def num_seqs(self) -> int:

@@ -39,6 +39,10 @@ from jax_llm_runtime.models.layers.attention import AttentionConfig, LayerMeta
 from jax_llm_runtime.models.layers.decoder_layer import DecoderLayer, Segment
 from jax_llm_runtime.models.layers.embed import Embed
 from jax_llm_runtime.models.layers.linear import OPERAND_DTYPES, int8_operands, projection
+from jax_llm_runtime.models.layers.linear_attention import (
+    LINEAR_ATTENTION_QUANTIZED,
+    LinearAttentionConfig,
+)
 from jax_llm_runtime.models.layers.mla import MLAConfig, mla_cache_shapes
 from jax_llm_runtime.models.layers.mlp import check_activation
 from jax_llm_runtime.models.layers.moe import MoEConfig
@@ -66,7 +70,10 @@ class DecoderConfig:
     ``attention.local_rope``. ``attention`` is multi-head latent attention (DeepSeek) when it is
     an ``MLAConfig``. With ``moe``, layers from ``first_moe_layer`` on (or, when set, the layers
     flagged in ``moe_layers``, which may alternate with dense ones: Llama 4 Maverick) replace
-    the MLP with mixture-of-experts; the others keep the dense MLP of ``intermediate_size``."""
+    the MLP with mixture-of-experts; the others keep the dense MLP of ``intermediate_size``.
+    Layers flagged in ``linear_layers`` replace attention with ``linear_attention`` (Gated
+    DeltaNet: a state slot per sequence instead of K/V pages; Qwen3-Next, Qwen3.5); the KV
+    cache then holds only the other layers."""
 
     vocab_size: int
     hidden_size: int
@@ -94,6 +101,8 @@ class DecoderConfig:
     first_moe_layer: int = 0
     moe_layers: tuple[bool, ...] = ()
     moe_beside_mlp: bool = False  # MoE layers keep the dense MLP too, beside the experts (Gemma 4)
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
@@ -115,7 +124,9 @@ class DecoderConfig:
         check_activation(self.activation)
         if self.moe_layers and self.moe is None:
             raise ValueError("moe_layers needs a moe config")
-        for name in ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers"):
+        self._check_linear_layers()
+        names = ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers", "linear_layers")
+        for name in names:
             flags = getattr(self, name)
             if flags and len(flags) != self.num_layers:
                 raise ValueError(f"{len(flags)} {name} flags for {self.num_layers} layers")
@@ -137,6 +148,12 @@ class DecoderConfig:
         if self.final_soft_cap is not None and not self.final_soft_cap > 0:
             raise ValueError(f"final logit soft-cap must be > 0, got {self.final_soft_cap}")
 
+    def _check_linear_layers(self) -> None:
+        if any(self.linear_layers) and self.linear_attention is None:
+            raise ValueError("linear_layers need a linear_attention config")
+        if self.linear_layers and all(self.linear_layers):
+            raise ValueError("a model needs at least one full-attention layer")
+
     @property
     def num_kv_heads(self) -> int:
         """KV heads per cache row (1 for MLA's shared latent)."""
@@ -154,19 +171,33 @@ class DecoderConfig:
         if isinstance(self.attention, MLAConfig):
             return mla_cache_shapes(self.attention, self.num_layers, num_pages, page_size)
         shape = kv_cache_shape(
-            self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim
+            self.num_kv_layers, num_pages, page_size, self.num_kv_heads, self.head_dim
         )
         return shape, shape
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers with K/V pages (all but the linear-attention layers)."""
+        return self.num_layers - sum(self.linear_layers)
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Layers with a state slot per sequence instead of K/V pages."""
+        return sum(self.linear_layers)
+
+    @property
     def segments(self) -> tuple[tuple[int, int, bool], ...]:
-        """``(start, end, is_moe)`` runs of alike layers, each scanned separately."""
+        """``(start, end, is_moe)`` runs of alike layers (alike in their feed-forward block and,
+        see ``linear_layers``, their attention), each scanned separately."""
+        n = self.num_layers
         if self.moe is None:
-            return ((0, self.num_layers, False),)
-        flags = self.moe_layers or tuple(i >= self.first_moe_layer for i in range(self.num_layers))
+            flags: tuple[bool, ...] = (False,) * n
+        else:
+            flags = self.moe_layers or tuple(i >= self.first_moe_layer for i in range(n))
+        linear = self.linear_layers or (False,) * n
         runs: list[tuple[int, int, bool]] = []
         for i, is_moe in enumerate(flags):
-            if runs and runs[-1][2] == is_moe:
+            if runs and runs[-1][2] == is_moe and linear[i] == linear[i - 1]:
                 runs[-1] = (runs[-1][0], i + 1, is_moe)
             else:
                 runs.append((i, i + 1, is_moe))
@@ -182,7 +213,7 @@ QUANTIZATIONS = (None, "int8", *ISQ_TYPES)
 # covers only the first set.
 QUANTIZED_FIELDS = frozenset(
     ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "w_gate", "w_up", "w_down")
-).union(("s_gate", "s_up", "s_down"))
+).union(("s_gate", "s_up", "s_down"), LINEAR_ATTENTION_QUANTIZED)
 PACKED_FIELDS = QUANTIZED_FIELDS.union(("e_gate", "e_up", "e_down"))
 # Logical axes of the KV cache's K and V (their row scales: the first four): each device keeps
 # the K/V of its own KV heads. MLA's latent cache has one KV "head", which stays whole.

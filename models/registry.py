@@ -25,6 +25,7 @@ from jax_llm_runtime.models.families import (
     phi,
     qwen2,
     qwen3,
+    qwen3_next,
     stablelm,
 )
 from jax_llm_runtime.models.vision.encoder import VisionSpec
@@ -163,6 +164,31 @@ _SPECS = {
             "MiniMaxM2ForCausalLM",
             minimax_m2.minimax_m2_config_from_hf,
             minimax_m2.MINIMAX_M2_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3NextForCausalLM",
+            qwen3_next.qwen3_next_config_from_hf,
+            qwen3_next.QWEN3_NEXT_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3_5ForCausalLM",
+            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.QWEN3_5_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3_5ForConditionalGeneration",
+            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.QWEN3_5_MULTIMODAL_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3_5MoeForCausalLM",
+            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.QWEN3_5_MOE_WEIGHT_RULES,
+        ),
+        _decoder(
+            "Qwen3_5MoeForConditionalGeneration",
+            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.QWEN3_5_MOE_MULTIMODAL_WEIGHT_RULES,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",

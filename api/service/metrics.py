@@ -42,6 +42,14 @@ class _EngineCollector(Collector):
                 "Free KV cache pages that still hold a reusable prefix.",
                 "num_pages_cached",
             ),
+            "state_slots_used": (
+                "State slots held by running sequences (models with linear-attention layers).",
+                "num_state_slots_used",
+            ),
+            "state_slots_total": (
+                "State slots in all (models with linear-attention layers; 0 for others).",
+                "num_state_slots_total",
+            ),
             "compiling": (
                 "1 while step shapes still compile in the background after start (per replica).",
                 "num_compiling",

@@ -96,6 +96,9 @@ class AttentionConfig:
     attention_chunk: int | None = None
     qk_l2_norm: NormConfig | None = None
     query_temperature: tuple[float, int] | None = None
+    # Each head's output times sigmoid of a gate the query projection also yields: wq's output
+    # holds per head its query, then its gate (Qwen3-Next, Qwen3.5).
+    output_gate: bool = False
     # The cache-free path (``causal_self_attention``) rounds K and V to this dtype, as a paged run
     # stores them, so that its numerics show what a 16-bit KV cache costs (tools/perplexity.py).
     round_kv_to: str | None = None
@@ -152,16 +155,32 @@ def layer_chunk(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
     return None if cfg.attention_chunk is None else meta.chunk
 
 
+def output_gate(
+    layer: Attention,
+    x: jax.Array,  # [..., hidden]
+) -> tuple[jax.Array, jax.Array | None]:  # [..., num_heads * head_dim] each
+    """The query projection, and the output gate when the layer has one (None otherwise)."""
+    cfg, lead = layer.cfg, x.shape[:-1]
+    q = layer.wq(x)
+    if not cfg.output_gate:
+        return q, None
+    q = q.reshape(*lead, cfg.num_heads, 2 * cfg.head_dim)
+    width, d = cfg.num_heads * cfg.head_dim, cfg.head_dim
+    return q[..., :d].reshape(*lead, width), q[..., d:].reshape(*lead, width)
+
+
 def project_qkv(
     layer: Attention,  # one layer's attention (inside the layer scan)
     x: jax.Array,  # [..., hidden]: [num_tokens] of a step, [num_seqs, seq_len] without a cache
     positions: jax.Array,  # [...] int32
     meta: LayerMeta,
+    q: jax.Array | None = None,  # [..., num_heads * head_dim], the query projection when known
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., num_heads, head_dim] and k, v [..., num_kv_heads, head_dim], with q and k normed
     (when configured), rotated, and q position-scaled (when configured)."""
     cfg, lead = layer.cfg, x.shape[:-1]
-    q, k = layer.wq(x), layer.wk(x)  # [..., num_heads * head_dim], [..., num_kv_heads * head_dim]
+    q = layer.wq(x) if q is None else q  # [..., num_heads * head_dim]
+    k = layer.wk(x)  # [..., num_kv_heads * head_dim]
     normed = layer.q_norm is not None and layer.k_norm is not None
     if normed and cfg.qk_norm_all_heads:
         q, k = layer.q_norm(q), layer.k_norm(k)
@@ -227,8 +246,12 @@ def _rotate(
 def output_projection(
     layer: Attention,
     out: jax.Array,  # [..., num_heads, head_dim]
+    gate: jax.Array | None = None,  # [..., num_heads * head_dim] (``output_gate``)
 ) -> jax.Array:  # [..., hidden]
-    return layer.wo(out.reshape(*out.shape[:-2], layer.cfg.num_heads * layer.cfg.head_dim))
+    out = out.reshape(*out.shape[:-2], layer.cfg.num_heads * layer.cfg.head_dim)
+    if gate is not None:
+        out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
+    return layer.wo(out)
 
 
 def paged_self_attention(
@@ -245,7 +268,8 @@ def paged_self_attention(
     the op picks the implementation (``pallas_kernels.paged_attention.ops.implementation``).
     """
     cfg = layer.cfg
-    q, k, v = project_qkv(layer, x, batch.positions, meta)
+    q, gate = output_gate(layer, x)
+    q, k, v = project_qkv(layer, x, batch.positions, meta, q)
     cache = write_step_kv(cache, meta.index, k, v, batch)
     out = step_attention(
         q,
@@ -259,7 +283,7 @@ def paged_self_attention(
         sinks=None if layer.sinks is None else layer.sinks.get_value(),
         attention_chunk=layer_chunk(cfg, meta),
     )
-    return output_projection(layer, out), cache
+    return output_projection(layer, out, gate), cache
 
 
 def write_step_kv(
@@ -348,7 +372,8 @@ def causal_self_attention(
     """
     cfg, (num_seqs, seq_len, _) = layer.cfg, x.shape
     group = cfg.num_heads // cfg.num_kv_heads
-    q, k, v = project_qkv(layer, x, positions, meta)
+    q, gate = output_gate(layer, x)
+    q, k, v = project_qkv(layer, x, positions, meta, q)
     if cfg.round_kv_to is not None:
         k = k.astype(cfg.round_kv_to).astype(k.dtype)
         v = v.astype(cfg.round_kv_to).astype(v.dtype)
@@ -372,7 +397,8 @@ def causal_self_attention(
     sinks = None if layer.sinks is None else layer.sinks.get_value()
     probs = softmax_with_sinks(scores, sinks)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
-    return output_projection(layer, out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim))
+    out = out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim)
+    return output_projection(layer, out, gate)
 
 
 class Attention(Block):
@@ -390,12 +416,13 @@ class Attention(Block):
     ) -> None:
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        wq_width = 2 * q_width if cfg.output_gate else q_width
 
         def proj(features: tuple[int, int], axes: tuple[str, str], field: str, bias: str | None):
             return projection(lead, features, axes, dtype, field, bias, quantized)
 
         qkv = cfg.qkv_bias
-        self.wq = proj((hidden, q_width), (EMBED, HEADS), "wq", "bq" if qkv else None)
+        self.wq = proj((hidden, wq_width), (EMBED, HEADS), "wq", "bq" if qkv else None)
         self.wk = proj((hidden, kv_width), (EMBED, KV_HEADS), "wk", "bk" if qkv else None)
         self.wv = proj((hidden, kv_width), (EMBED, KV_HEADS), "wv", "bv" if qkv else None)
         self.wo = proj((q_width, hidden), (HEADS, EMBED), "wo", "bo" if cfg.o_bias else None)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers.attention import FULL_WINDOW, Attention, LayerMeta
+from jax_llm_runtime.models.layers.linear_attention import GatedDeltaNet, HybridCache
 from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
 from jax_llm_runtime.models.layers.mlp import MLP
 from jax_llm_runtime.models.layers.moe import MoE
@@ -28,14 +29,17 @@ if TYPE_CHECKING:
 
 
 def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
-    """Stacked per-layer facts for layers ``start:end``."""
+    """Stacked per-layer facts for layers ``start:end``. A layer's index is its slot in its
+    cache: among the layers with K/V pages, or among the linear-attention layers."""
     sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
     window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
     chunked = np.asarray(cfg.chunked_layers or (False,) * cfg.num_layers)[start:end]
     chunk = getattr(cfg.attention, "attention_chunk", None) or FULL_WINDOW
     rotates = None if not cfg.nope_layers else ~np.asarray(cfg.nope_layers)[start:end]
+    linear = np.asarray(cfg.linear_layers or (False,) * cfg.num_layers)
+    slot = [int(np.sum(linear[:i] == linear[i])) for i in range(start, end)]
     return LayerMeta(
-        index=jnp.arange(start, end, dtype=jnp.int32),
+        index=jnp.asarray(slot, jnp.int32),
         window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
         local=jnp.asarray(sliding),
         chunk=jnp.asarray(np.where(chunked, chunk, FULL_WINDOW), jnp.int32)
@@ -55,6 +59,7 @@ class DecoderLayer(nnx.Module):
         is_moe: bool,
         dtype: jnp.dtype,
         quantized: Collection[str] = (),
+        is_linear: bool = False,
     ) -> None:
         h = cfg.hidden_size
         self.parallel_residual = cfg.parallel_residual
@@ -63,8 +68,11 @@ class DecoderLayer(nnx.Module):
             return Norm(cfg.norm, (*lead, h), (*layer_axes(lead), EMBED), dtype, name)
 
         self.attn_norm = norm("attn_norm")
-        attention = MLA if isinstance(cfg.attention, MLAConfig) else Attention
-        self.attn = attention(cfg.attention, lead, h, dtype, quantized)
+        if is_linear:
+            self.attn = GatedDeltaNet(cfg.linear_attention, lead, h, dtype, quantized)
+        else:
+            attention = MLA if isinstance(cfg.attention, MLAConfig) else Attention
+            self.attn = attention(cfg.attention, lead, h, dtype, quantized)
         self.mlp_norm = None if cfg.parallel_residual else norm("mlp_norm")
         self.attn_post_norm = norm("attn_post_norm") if cfg.sandwich_norms else None
         self.mlp_post_norm = norm("mlp_post_norm") if cfg.sandwich_norms else None
@@ -121,18 +129,24 @@ class DecoderLayer(nnx.Module):
     def paged(
         self,
         x: jax.Array,  # [num_tokens, hidden]
-        cache: KVCache,
+        cache: KVCache | HybridCache,
         meta: LayerMeta,
         batch: StepBatch,
         valid: jax.Array,  # [num_tokens] bool
         native: bool,
-    ) -> tuple[jax.Array, KVCache]:
-        """The layer over the paged cache (its new K/V written first)."""
+    ) -> tuple[jax.Array, KVCache | HybridCache]:
+        """The layer over the paged cache (its new K/V written first), or, for a linear-attention
+        layer, over its sequences' state slots (``HybridCache``)."""
 
-        def attend(h: jax.Array) -> tuple[jax.Array, KVCache]:
-            if isinstance(self.attn, MLA):
+        def attend(h: jax.Array) -> tuple[jax.Array, KVCache | HybridCache]:
+            if isinstance(self.attn, GatedDeltaNet):
                 return self.attn(h, cache, meta.index, batch)
-            return self.attn(h, cache, meta, batch, native)
+            kv = cache.kv if isinstance(cache, HybridCache) else cache
+            if isinstance(self.attn, MLA):
+                out, kv = self.attn(h, kv, meta.index, batch)
+            else:
+                out, kv = self.attn(h, kv, meta, batch, native)
+            return out, cache.replace(kv=kv) if isinstance(cache, HybridCache) else kv
 
         return self(x, attend, valid)
 
@@ -147,6 +161,8 @@ class DecoderLayer(nnx.Module):
         """The layer without the cache: causal attention within each sequence."""
 
         def attend(h: jax.Array) -> tuple[jax.Array, None]:
+            if isinstance(self.attn, GatedDeltaNet):
+                return self.attn.causal(h, lengths), None
             if isinstance(self.attn, MLA):
                 return self.attn.causal(h, positions, lengths), None
             return self.attn.causal(h, positions, lengths, meta), None
@@ -167,7 +183,8 @@ class Segment(nnx.Module):
         quantized: Collection[str] = (),
     ) -> None:
         self.start, self.end = start, end
-        self.layers = DecoderLayer(cfg, (end - start,), is_moe, dtype, quantized)
+        is_linear = bool(cfg.linear_layers) and cfg.linear_layers[start]
+        self.layers = DecoderLayer(cfg, (end - start,), is_moe, dtype, quantized, is_linear)
 
     def scan(
         self,

@@ -174,6 +174,7 @@ class Engine:
         of a list/deque is atomic, so each count is a value the loop thread really held (the
         counts may come from adjacent steps, which is fine for monitoring)."""
         scheduler = self.scheduler
+        slots = scheduler.state_slots
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -184,6 +185,8 @@ class Engine:
             num_prefix_cache_hits=scheduler.num_cache_hit_tokens,
             num_pages_cached=scheduler.allocator.num_cached,
             num_compiling=int(not self.compile_done.is_set()),
+            num_state_slots_used=0 if slots is None else slots.num_used,
+            num_state_slots_total=0 if slots is None else slots.num_slots,
         )
 
     # -- requests ----------------------------------------------------------------------------

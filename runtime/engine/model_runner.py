@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.registry import ModelSpec
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache, to_stored
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan, pick
@@ -37,6 +38,9 @@ from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, repli
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
 MAX_EOS_IDS = BIAS_SLOTS - MAX_LOGIT_BIAS - MAX_STOP_TOKEN_IDS
+# The state slot of padding sequences (and of sequences of models without state slots): out of
+# range, so a step reads zeros for it and writes nothing (models.layers.linear_attention).
+NO_STATE_SLOT = 2**30
 
 
 @dataclass
@@ -98,6 +102,7 @@ class ModelRunner:
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
         self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
+        self._copy_slots = jax.jit(_copy_state_slots, donate_argnums=(0,))
         # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
@@ -134,7 +139,8 @@ class ModelRunner:
     def _lower(self, key: tuple[Any, ...]) -> Any:
         """A step of ``(num_tokens, num_seqs, pages, steps)``, ``IMAGES`` last for a step that
         prefills image tokens."""
-        batch, meta = _empty_inputs(*key[:3], self.vocab_size)
+        single = self._single_chunk(key[1], key[0])
+        batch, meta = _empty_inputs(*key[:3], self.vocab_size, single)
         if key[-1] == IMAGES:
             batch = _with_images(batch, self.config.hidden_size)
         batch, meta = host_inputs((batch, meta), self.input_sharding)
@@ -150,6 +156,8 @@ class ModelRunner:
         compiled, else one step (the scheduler takes however many tokens come back). Logprobs
         are copied to the host only when a sequence that samples in this step asked.
         """
+        if batch.state_copies:
+            self.copy_state_slots(batch.state_copies)
         step_batch, meta = self._prepare(batch)
         steps = batch.num_steps if _key(step_batch, batch.num_steps) in self.compiled else 1
         if steps > 1:
@@ -199,6 +207,18 @@ class ModelRunner:
             self.mirror("fill_page_ids", ids)
         self.cache = self._fill(self.cache, ids)
 
+    def copy_state_slots(self, copies: Iterable[tuple[int, int]]) -> None:
+        """Copy each (source, destination) state slot of a linear-attention model's cache (the
+        forks of n > 1 start from their parent's state). The pairs are padded to a power of two
+        by repeating the first, so few shapes compile; ``mirror`` sees the call first."""
+        pairs = list(copies)
+        padded = np.asarray(pairs + pairs[:1] * ((1 << (len(pairs) - 1).bit_length()) - len(pairs)))
+        if self.mirror is not None:
+            self.mirror("copy_state_slots", tuple(map(tuple, padded.tolist())))
+        self.cache = self._copy_slots(
+            self.cache, padded[:, 0].astype(np.int32), padded[:, 1].astype(np.int32)
+        )
+
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, SamplingMetadata]:
         items = batch.items
         num_tokens, num_seqs = self._bucket(batch)
@@ -210,6 +230,7 @@ class ModelRunner:
         q_starts = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         page_indices = np.zeros((num_seqs, pages), np.int32)
+        state_slots = np.full(num_seqs, NO_STATE_SLOT, np.int32)
         row = 0
         for s, item in enumerate(items):
             seq, end, rows = item.seq, item.start + item.length, slice(row, row + item.length)
@@ -223,17 +244,29 @@ class ModelRunner:
             # the step neither reads nor writes: the bucket covers the positions it does.
             held = min(len(seq.pages), pages)
             page_indices[s, :held] = seq.pages[:held]
+            if seq.state_slot is not None:
+                state_slots[s] = seq.state_slot
         valid = np.arange(num_tokens) < row
         last_rows = np.maximum(q_starts[1:] - 1, 0)
         decode = batch.kind is StepKind.DECODE
+        single = self._single_chunk(num_seqs, num_tokens) and not decode
+        if single and sum(item.length > 1 for item in items) > 1:
+            raise RuntimeError("a mixed step of a linear-attention model has several prompt chunks")
         # Host arrays go straight into the jitted call: one transfer each, nothing to compile.
         step_batch = StepBatch(
-            tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode
-        )
+            tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode,
+            state_slots=state_slots, single_chunk=single,
+        )  # fmt: skip
         if self.images is not None and any(_reaches_images(item) for item in items):
             step_batch = self._image_rows(step_batch, items)
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
+
+    def _single_chunk(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether a step of this shape is a mixed step of a linear-attention model, which the
+        scheduler gives one prompt chunk at most (``StepBatch.single_chunk``)."""
+        mixed = num_seqs > 1 and num_tokens != num_seqs  # as _empty_inputs tells decode steps
+        return mixed and isinstance(self.cache, HybridCache)
 
     def _image_rows(self, step_batch: StepBatch, items: tuple[ScheduledSeq, ...]) -> StepBatch:
         """The step's image inputs (``models.batch``): each chunk's image tokens take their
@@ -283,10 +316,23 @@ class ModelRunner:
         return mask
 
 
-def _fill_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+def _fill_pages(cache: KVCache | HybridCache, pages: jax.Array) -> KVCache | HybridCache:
+    if isinstance(cache, HybridCache):  # the pages are the full-attention layers' K/V
+        return cache.replace(kv=_fill_pages(cache.kv, pages))
     nan = jnp.asarray(jnp.nan, jnp.float32)
     # to_stored: a cache in integer storage gets NaN's bits, not NaN cast to an integer (0).
     return jax.tree.map(lambda a: a.at[:, pages].set(to_stored(nan, a.dtype)), cache)
+
+
+def _copy_state_slots(
+    cache: HybridCache,
+    sources: jax.Array,  # [n] int32
+    destinations: jax.Array,  # [n] int32
+) -> HybridCache:
+    return cache.replace(
+        conv=cache.conv.at[:, destinations].set(cache.conv[:, sources]),
+        recurrent=cache.recurrent.at[:, destinations].set(cache.recurrent[:, sources]),
+    )
 
 
 def _constrained(
@@ -420,7 +466,7 @@ def _with_images(batch: StepBatch, hidden: int) -> StepBatch:
 
 
 def _empty_inputs(
-    num_tokens: int, num_seqs: int, pages: int, vocab_size: int
+    num_tokens: int, num_seqs: int, pages: int, vocab_size: int, single_chunk: bool = False
 ) -> tuple[StepBatch, SamplingMetadata]:
     """All-padding inputs of a bucket's shape: they compile the step and write nothing."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
@@ -434,5 +480,7 @@ def _empty_inputs(
         zeros((num_seqs, pages)),
         zeros(num_seqs),
         decode_rows=num_tokens == num_seqs,  # mixed steps have more tokens than sequences
+        state_slots=np.full(num_seqs, NO_STATE_SLOT, np.int32),
+        single_chunk=single_chunk,
     )
     return batch, empty_sampling_metadata(num_seqs, vocab_size)

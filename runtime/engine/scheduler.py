@@ -13,6 +13,16 @@ see ``runtime.loading.builder.mixed_steps``) a step is one prefill chunk or a de
 running sequence, and when both wait they alternate. When a decode needs a page and none is free, the newest running
 sequence is preempted: its pages are freed and it is recomputed later.
 
+Models with linear-attention layers (Qwen3-Next, Qwen3.5) also keep a state slot per running
+sequence (``state_slots``: taken when it starts running, given back when it finishes or is
+preempted). Their prefix cache is off (a reused prefix's pages would lack its recurrent
+state), and a step runs at most one prompt chunk besides its decode rows (the layers run a
+chunk as one padded row and every other sequence as a single token). The forks of ``n > 1``
+share the parent's full prompt pages as usual: the parent's prefill stops at the end of the
+last of them, and each fork takes a slot there and has the parent's state copied into it
+(``ScheduledBatch.state_copies``, applied before the next step runs); a fork that finds no
+free slot recomputes the prompt from scratch.
+
 Prefix caching: every full page a sequence computes is registered under its prefix hash; a
 sequence that starts (or restarts after preemption) first takes the cached pages of its longest
 registered prefix, by reference count, and computes only the rest. At least one token is always
@@ -27,6 +37,7 @@ budget if need be, up to ``max_step_tokens``).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections import deque
@@ -38,6 +49,7 @@ from jax_llm_runtime.runtime.engine.buckets import fit_tokens
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator, page_hash
 from jax_llm_runtime.runtime.engine.request import FinishReason
 from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+from jax_llm_runtime.runtime.engine.state_slots import StateSlots
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +81,9 @@ class ScheduledBatch:
     kind: StepKind
     items: tuple[ScheduledSeq, ...]
     num_steps: int = 1
+    # (source, destination) state slots to copy before the step runs: forks of n > 1 starting
+    # from their parent's state (linear-attention models).
+    state_copies: tuple[tuple[int, int], ...] = ()
 
 
 class Scheduler:
@@ -90,8 +105,14 @@ class Scheduler:
         prefix_cost: int | None = None,
         prefill_only_tokens: int | None = None,
         max_step_tokens: int | None = None,
+        state_slots: bool = False,
     ) -> None:
         self.allocator = allocator
+        # A state slot per running sequence (linear-attention models), else None.
+        self.state_slots = StateSlots(max_num_seqs) if state_slots else None
+        self._state_copies: list[tuple[int, int]] = []  # for the next batch
+        if state_slots and prefix_cache:
+            raise ValueError("the prefix cache cannot be used with state slots (linear attention)")
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -147,14 +168,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work, allocating the pages it writes; None when idle."""
-        if not self.mixed:
-            return self._alternating()
+        batch = self._mixed() if self.mixed else self._alternating()
+        if batch is not None and self._state_copies:
+            batch = dataclasses.replace(batch, state_copies=tuple(self._state_copies))
+            self._state_copies.clear()
+        return batch
+
+    def _mixed(self) -> ScheduledBatch | None:
+        """Decode rows and prefill chunks in one step."""
         decodes = [s for s in self.running if s.num_pending == 1]
         prefill_waits = self._prefill_waits()
         steps = 1 if prefill_waits or not decodes else self._decode_steps(decodes)
         items = self._decode_items(decodes, steps)
         budget = self.max_num_batched_tokens if items else self.prefill_only_tokens
-        chunks = self._prefill_chunks(len(items), budget=budget) if prefill_waits else ()
+        # One prompt chunk per step for linear-attention models (StepBatch.single_chunk).
+        limit = 1 if self.state_slots is not None else None
+        chunks = self._prefill_chunks(len(items), limit, budget) if prefill_waits else ()
         if chunks:
             return ScheduledBatch(StepKind.PREFILL, items + chunks)
         if not items:
@@ -225,7 +254,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = item.start + item.length
-            if seq.forks and seq.num_computed >= len(seq.prompt_ids):
+            if seq.forks and seq.num_computed >= self._fork_point(seq):
                 self._release_forks(seq)
             reason, sampled_here = None, item.reaches_end  # before the new tokens extend it
             for i, token in enumerate(int(t) for t in (tokens if sampled_here else ())):
@@ -273,6 +302,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._release_pages(seq)
+        self._release_slot(seq)  # a fork waiting with its parent's state holds one too
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -293,7 +323,7 @@ class Scheduler:
             if limit is not None and len(chunks) == limit:
                 break
             room = (budget or self.max_num_batched_tokens) - cost
-            if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room()):
+            if room < 1 or (seq.status is SequenceStatus.WAITING and not self._has_room(seq)):
                 break
             chunk = self._prefill_chunk(seq, room, used)
             if chunk is None:
@@ -308,8 +338,13 @@ class Scheduler:
             chunks[-1] = ScheduledSeq(last.seq, last.start, length)
         return tuple(chunks)
 
-    def _has_room(self) -> bool:
-        return len(self.running) < self.max_num_seqs
+    def _has_room(self, seq: Sequence | None = None) -> bool:
+        """Whether the running set takes one more (``seq``, which needs a state slot unless it
+        holds one already)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        slots = self.state_slots
+        return slots is None or seq is None or seq.state_slot is not None or slots.num_free > 0
 
     def _prefill_chunk(self, seq: Sequence, room: float, used: int = 0) -> ScheduledSeq | None:
         """The sequence's next chunk (at most ``room`` tokens, unless it must grow to hold a
@@ -319,6 +354,8 @@ class Scheduler:
         reused = self._reuse_cached_prefix(seq) if not seq.pages else 0
         affordable = chunk_tokens(seq.num_computed, room, self.prefix_cost)
         length = min(seq.num_pending, self.prefill_chunk_size, affordable)
+        if seq.forks and seq.num_computed < self._fork_point(seq):  # the forks start there
+            length = min(length, self._fork_point(seq) - seq.num_computed)
         start = seq.num_computed
         safe = _image_safe_end(seq, start, start + length) - start
         too_long = safe > length and used + safe > self.max_step_tokens  # grown for an image
@@ -333,6 +370,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.state_slots is not None and seq.state_slot is None:
+                seq.state_slot = self.state_slots.take()
             if self.prefix_cache and seq.num_preemptions == 0:
                 seq.num_cached_tokens = reused * self.page_size
                 self.num_cache_queried_tokens += len(seq.prompt_ids)
@@ -404,15 +443,37 @@ class Scheduler:
         seq.pages = []
         seq.num_computed = seq.num_registered_pages = 0
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.state_slots.give_back(seq.state_slot)
+            seq.state_slot = None
+
+    def _fork_point(self, parent: Sequence) -> int:
+        """How much of its prompt a parent computes before its forks start: all of it, or, with
+        state slots, its full pages but the one holding its last token (where the forks start,
+        from a copy of its state then)."""
+        if self.state_slots is None:
+            return len(parent.prompt_ids)
+        return (len(parent.prompt_ids) - 1) // self.page_size * self.page_size
+
     def _release_forks(self, parent: Sequence) -> None:
         """Start the parent's forks (n > 1) on its computed prompt.
 
         Each fork shares, by reference count, every full page of the prompt except the one holding
         its last token, and recomputes from there: at least one token, whose logits give the fork
-        its own first sample. Full pages are never written again, so sharing them is safe.
+        its own first sample. Full pages are never written again, so sharing them is safe. With
+        state slots each fork also takes a slot now, into which the parent's state (at exactly
+        those pages' end: ``_fork_point``) is copied before the next step; without a free slot
+        it shares nothing and recomputes the prompt.
         """
         shared = (len(parent.prompt_ids) - 1) // self.page_size
+        slots = self.state_slots
         for fork in parent.forks:
+            if slots is not None and (not shared or not slots.num_free):
+                continue  # from position 0: a fresh state, nothing to share
+            if slots is not None:
+                fork.state_slot = slots.take()
+                self._state_copies.append((parent.state_slot, fork.state_slot))
             for page in parent.pages[:shared]:
                 self.allocator.share(page)
             fork.pages = parent.pages[:shared]
@@ -426,6 +487,7 @@ class Scheduler:
         """Free a running sequence's pages; it waits at the front and is recomputed from scratch."""
         self.running.remove(seq)
         self._release_pages(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -472,5 +534,7 @@ def prefix_cost_positions(config: Any, attention_flop_cost: float = 1.0) -> int:
     attention = config.attention
     q_dim = attention.num_heads * getattr(attention, "head_dim", config.head_dim)
     token = 2 * (12 * d * d * layers + d * config.vocab_size)
-    per_position = 4 * layers * q_dim * attention_flop_cost
+    # Only the layers with K/V pages attend over the prefix (not linear-attention ones).
+    attending = getattr(config, "num_kv_layers", layers)
+    per_position = 4 * attending * q_dim * attention_flop_cost
     return max(1, round(token / per_position))

@@ -47,6 +47,8 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     # A vision-language prompt's images (its forks share them): where their soft tokens go.
     images: SequenceImages | None = None
+    # Models with linear-attention layers: the state slot the sequence holds while it runs.
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

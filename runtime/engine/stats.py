@@ -21,6 +21,10 @@ class EngineStats:
     # 1 while step shapes still compile in the background after start (requests are served
     # meanwhile, on CPU sharing its cores); replicas are summed.
     num_compiling: int = 0
+    # Models with linear-attention layers: state slots held by running sequences, and in all
+    # (0 and 0 for other models).
+    num_state_slots_used: int = 0
+    num_state_slots_total: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_running", "num_waiting", "num_pages_total", "num_pages_free"):

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.layers.mla import MLAConfig
 from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
 from jax_llm_runtime.pallas_kernels import native
@@ -148,6 +149,11 @@ def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[Mo
     ``isq``, expert offload, native kernels and matmul operands applied. Raises ValueError (an
     unsupported architecture, a malformed config)."""
     spec, model_config = model_config_from_hf(hf_config)
+    if has_state_slots(model_config) and config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--tensor-parallel-size > 1 is not supported for models with linear-attention layers "
+            "(Qwen3-Next, Qwen3.5); use 1 (or --data-parallel-size)"
+        )
     if config.isq is not None:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     model_config = with_expert_offload(model_config, config)
@@ -192,9 +198,8 @@ def _build_replica(
         kv_dtype,
         {"attention": config.attention_backend, "dequant_matmul": config.matmul_backend},
     )
-    num_pages, max_model_len = _size_cache(
-        config, model_config, kv_dtype, _cache_mb(config, mesh, devices)
-    )
+    cache_mb = _cache_mb(config, mesh, devices) - _state_mb(config, model_config, dtype)
+    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb)
     k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
     cache_shardings = None
     abstract_cache = _abstract_cache(k_shape, kv_dtype, v_shape)
@@ -210,7 +215,9 @@ def _build_replica(
         spec,
         model_config,
         weights,
-        _zero_cache(k_shape, kv_dtype, v_shape, cache_shardings),
+        _with_state_slots(
+            _zero_cache(k_shape, kv_dtype, v_shape, cache_shardings), model_config, config, dtype
+        ),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
@@ -299,6 +306,12 @@ def _scheduler(
     allocator = PageAllocator(num_pages, config.page_size)
     allocator.track_fresh = config.debug_fill_freed_pages
     cost = CPU_ATTENTION_FLOP_COST if jax.default_backend() == "cpu" else 1.0
+    slots = has_state_slots(model_config)
+    if slots and config.prefix_cache:
+        logger.info(
+            "prefix cache: off (linear-attention layers keep a recurrent state per sequence "
+            "that a reused prefix of K/V pages would lack)"
+        )
     return Scheduler(
         allocator,
         max_num_seqs=config.max_num_seqs,
@@ -307,14 +320,44 @@ def _scheduler(
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode[0],
         prefill_lens=plan.prefill_lens,
-        prefix_cache=config.prefix_cache,
+        prefix_cache=config.prefix_cache and not slots,
         max_num_batched_tokens=budgets[0],
         prefill_only_tokens=budgets[1],
         mixed=mixed,
         multi_step_seqs=decode[1],
         prefix_cost=prefix_cost_positions(model_config, cost),
         max_step_tokens=plan.prefill_lens[-1],
+        state_slots=slots,
     )
+
+
+def has_state_slots(model_config: Any) -> bool:
+    """Whether the model has linear-attention layers, which keep a state slot per sequence."""
+    return getattr(model_config, "linear_attention", None) is not None
+
+
+def _state_mb(config: EngineConfig, model_config: Any, dtype: Any) -> int:
+    """MB of the state slots (one per ``--max-num-seqs``) of a linear-attention model, taken
+    from the KV cache's memory; 0 for other models."""
+    if not has_state_slots(model_config):
+        return 0
+    per_slot = model_config.linear_attention.slot_bytes(model_config.num_linear_layers, dtype)
+    mb = -(-per_slot * config.max_num_seqs // 2**20)
+    logger.info(
+        "state slots: %d of %.1f MB (%d linear-attention layers), %d MB of the cache memory",
+        config.max_num_seqs, per_slot / 2**20, model_config.num_linear_layers, mb,
+    )  # fmt: skip
+    return mb
+
+
+def _with_state_slots(
+    kv: KVCache, model_config: Any, config: EngineConfig, dtype: Any
+) -> KVCache | HybridCache:
+    """The KV cache, with a linear-attention model's zeroed state slots beside it."""
+    if not has_state_slots(model_config):
+        return kv
+    cfg = model_config.linear_attention
+    return HybridCache.zeros(kv, cfg, model_config.num_linear_layers, config.max_num_seqs, dtype)
 
 
 def place_on_mesh(
@@ -346,12 +389,12 @@ def _size_cache(
 ) -> tuple[int, int]:
     """The KV cache's page count for ``cache_mb`` MB, and ``max_model_len`` capped by it."""
     page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
-    num_pages = cache_mb * 2**20 // page_bytes
+    num_pages = max(cache_mb, 0) * 2**20 // page_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
     if max_model_len < 16:
         raise ValueError(
-            f"a KV cache of {cache_mb} MB holds only {capacity} tokens; raise --kvcache-mem"
+            f"a KV cache of {max(cache_mb, 0)} MB holds only {capacity} tokens; raise --kvcache-mem"
         )
     logger.info(
         "KV cache: %d pages of %d tokens in %s (%.0f MB), max_model_len %d",

@@ -36,7 +36,10 @@ logger = logging.getLogger(__name__)
 
 _KEY_BYTES = 32
 # The calls a follower replays, by runner: everything else on a runner stays on the leader.
-_REPLAYED = {"runner": ("execute", "fill_page_ids"), "embedder": ("forward",)}
+_REPLAYED = {
+    "runner": ("execute", "fill_page_ids", "copy_state_slots"),
+    "embedder": ("forward",),
+}
 _STOP = "stop"
 
 

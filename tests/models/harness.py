@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
+from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.registry import get_model_spec
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 from jax_llm_runtime.runtime.loading.gguf.loader import Checkpoint
@@ -83,6 +84,11 @@ class PagedRunner:
         self.cache = KVCache(
             k=rng.standard_normal(k_shape, np.float32), v=rng.standard_normal(v_shape, np.float32)
         )
+        linear = getattr(cfg, "linear_attention", None)
+        if linear is not None:  # state slots full of garbage: a new sequence must ignore it
+            conv, rec = linear.state_shapes(cfg.num_linear_layers, num_seqs)
+            conv, rec = rng.standard_normal(conv, np.float32), rng.standard_normal(rec, np.float32)
+            self.cache = HybridCache(self.cache, conv, rec)
         pages = rng.permutation(num_pages)[: num_seqs * self.pages_per_seq]
         self.page_indices = pages.reshape(num_seqs, self.pages_per_seq).astype(np.int32)
         self.kv_lens = np.zeros(num_seqs, np.int32)
