@@ -46,6 +46,7 @@ class StubRunner:
     """
 
     vocab_size = VOCAB_SIZE
+    images = None  # a text-only model: no image encoder
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s

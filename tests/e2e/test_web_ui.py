@@ -357,3 +357,78 @@ def test_ui_on_its_own_port_calls_the_api_port(page: Page, tmp_path: Path) -> No
         wait_idle(page)
         assert reply_text(page) == "ssorc"
         page.goto("about:blank")
+
+
+def _png(color: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+DROP = """async (b64) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const files = new DataTransfer();
+  files.items.add(new File([bytes], "blue.png", { type: "image/png" }));
+  const drop = new DragEvent("drop", { dataTransfer: files, bubbles: true, cancelable: true });
+  document.getElementById("composer").dispatchEvent(drop);
+}"""
+
+
+def test_images_picked_and_dropped_go_as_content_parts_and_stay_in_the_conversation(
+    page: Page, mock_ui: str, tmp_path: Path
+) -> None:
+    # The mock model takes no images, so the chat route is answered here: the test checks what
+    # the page sends (OpenAI's image_url parts) and shows, not a model's reading of them.
+    import base64
+
+    bodies: list[dict] = []
+    chunk = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": "Red, then blue."}, "finish_reason": "stop"}],
+    }
+
+    def answer(route) -> None:
+        bodies.append(json.loads(route.request.post_data))
+        sse = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=sse)
+
+    page.route("**/v1/chat/completions", answer)
+    open_ui(page, mock_ui)
+    red, blue = _png("red"), _png("blue")
+    (tmp_path / "red.png").write_bytes(red)
+    page.set_input_files("#attach-input", str(tmp_path / "red.png"))
+    page.wait_for_selector("#attachments .attachment img")
+    page.evaluate(DROP, base64.b64encode(blue).decode())
+    page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 2")
+    send(page, "Which colours?")
+    wait_idle(page)
+
+    (body,) = bodies
+    content = body["messages"][-1]["content"]
+    urls = [f"data:image/png;base64,{base64.b64encode(png).decode()}" for png in (red, blue)]
+    assert content == [
+        {"type": "image_url", "image_url": {"url": urls[0]}},
+        {"type": "image_url", "image_url": {"url": urls[1]}},
+        {"type": "text", "text": "Which colours?"},
+    ]
+    assert page.is_hidden("#attachments")
+    shown = page.locator(".message.user .images img")
+    assert [shown.nth(i).get_attribute("src") for i in range(2)] == urls
+    assert reply_text(page) == "Red, then blue."
+
+    page.reload()  # the images are part of the saved conversation
+    page.wait_for_selector("#status[data-kind=ready]")
+    assert page.locator(".message.user .images img").count() == 2
+    # A file that is not an image is refused by name, and nothing is attached.
+    (tmp_path / "notes.txt").write_text("not an image")
+    page.set_input_files("#attach-input", str(tmp_path / "notes.txt"))
+    page.wait_for_selector("#notice:not([hidden])")
+    assert "notes.txt is not a PNG, JPEG, WebP or GIF image" in page.text_content("#notice")
+    assert page.is_hidden("#attachments")

@@ -1,6 +1,7 @@
 // The message list: one <article> per message; replies are re-rendered as they stream, at most
 // once per animation frame.
 
+import { isImageDataUrl } from "./attachments.js";
 import { copyText, renderMarkdown } from "./markdown.js";
 
 function element(tag, className, text) {
@@ -103,6 +104,17 @@ export class ChatView {
     this.container.querySelector(".empty")?.remove();
     if (message.role !== "assistant") {
       const article = element("article", `message ${message.role}`);
+      const urls = (message.images ?? []).filter(isImageDataUrl);
+      if (urls.length) {
+        const images = element("div", "images");
+        urls.forEach((url, index) => {
+          const image = element("img");
+          image.src = url;
+          image.alt = `image ${index + 1}`;
+          images.append(image);
+        });
+        article.append(images);
+      }
       article.append(element("div", "content", message.content));
       this.container.append(article);
       return null;

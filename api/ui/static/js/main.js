@@ -3,12 +3,14 @@
 //
 // 1. At load: find the API (ui/config.json: this origin, or another port of this host), list
 //    the conversations, show the active one, and ask GET /v1/models for the model's name.
-// 2. Send: the user's message joins the conversation (created on the first message), and the
-//    reply streams from POST /v1/chat/completions into a new assistant message.
+// 2. Send: the user's message (its text and any attached images, attachments.js) joins the
+//    conversation (created on the first message), and the reply streams from
+//    POST /v1/chat/completions into a new assistant message.
 // 3. Stop aborts the fetch; the partial reply is kept and marked stopped. Regenerate replaces
 //    the last reply. Every change is saved to localStorage.
 
 import { ApiClient } from "./api.js";
+import { Attachments, isImageDataUrl } from "./attachments.js";
 import { ChatView } from "./chat_view.js";
 import { SettingsPanel, samplingFields } from "./settings_panel.js";
 import { Sidebar } from "./sidebar.js";
@@ -27,6 +29,7 @@ const sidebar = new Sidebar($("conversations"), $("new-chat"), {
 });
 const panel = new SettingsPanel($("settings"), $("toggle-settings"), settings, connect, notify);
 const prompt = $("prompt");
+const attachments = new Attachments($("attachments"), notify);
 let api = null;
 let model = null;
 let streaming = null; // {conversation, controller} while a reply streams
@@ -92,11 +95,20 @@ function describe(error) {
   return error.message;
 }
 
-/** What goes to the API: the system prompt, then each message's role and text. */
+/** A message's content for the API: its text, or with images OpenAI's content parts (the
+ *  images first, then the text). */
+function contentOf({ content, images }) {
+  const urls = (images ?? []).filter(isImageDataUrl);
+  if (urls.length === 0) return content;
+  const parts = urls.map((url) => ({ type: "image_url", image_url: { url } }));
+  return content ? [...parts, { type: "text", text: content }] : parts;
+}
+
+/** What goes to the API: the system prompt, then each message's role and content. */
 function historyOf(conversation) {
   const messages = conversation.messages
     .filter((message) => !message.error && (message.role === "user" || message.content))
-    .map(({ role, content }) => ({ role, content }));
+    .map((message) => ({ role: message.role, content: contentOf(message) }));
   const system = settings.systemPrompt.trim();
   return system ? [{ role: "system", content: system }, ...messages] : messages;
 }
@@ -143,9 +155,10 @@ function stop() {
   streaming?.controller.abort();
 }
 
-async function send(text) {
-  const conversation = store.active() ?? store.create(text);
+async function send(text, images) {
+  const conversation = store.active() ?? store.create(text || "Image");
   const message = { role: "user", content: text };
+  if (images.length) message.images = images;
   conversation.messages.push(message);
   view.append(message);
   save(conversation);
@@ -194,10 +207,36 @@ function fitPrompt() {
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = prompt.value.trim();
-  if (!text || streaming || !api) return;
+  if ((!text && attachments.urls.length === 0) || streaming || !api) return;
   prompt.value = "";
   fitPrompt();
-  send(text);
+  send(text, attachments.take());
+});
+$("attach").addEventListener("click", () => $("attach-input").click());
+$("attach-input").addEventListener("change", async (event) => {
+  await attachments.add(event.target.files);
+  event.target.value = ""; // picking the same file again fires change again
+});
+prompt.addEventListener("paste", (event) => {
+  const files = event.clipboardData?.files;
+  if (files?.length) {
+    event.preventDefault();
+    attachments.add(files);
+  }
+});
+for (const type of ["dragenter", "dragover"]) {
+  $("composer").addEventListener(type, (event) => {
+    if (!event.dataTransfer?.types.includes("Files")) return;
+    event.preventDefault();
+    $("composer").classList.add("dropping");
+  });
+}
+$("composer").addEventListener("dragleave", () => $("composer").classList.remove("dropping"));
+$("composer").addEventListener("drop", (event) => {
+  $("composer").classList.remove("dropping");
+  if (!event.dataTransfer?.files.length) return;
+  event.preventDefault();
+  attachments.add(event.dataTransfer.files);
 });
 prompt.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {

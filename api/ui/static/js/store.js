@@ -1,8 +1,8 @@
 // Conversations and settings, kept in the browser's localStorage (nothing is stored server-side).
 //
-// A conversation is {id, title, messages, updatedAt}; a message is {role, content} plus, for
-// replies, {reasoning, stats, finishReason, stopped, error}. Only role and content go back to the
-// API (see historyOf in main.js).
+// A conversation is {id, title, messages, updatedAt}; a message is {role, content} plus, for the
+// user's, the {images} attached (data: URLs) and, for replies, {reasoning, stats, finishReason,
+// stopped, error}. Only role, content and images go back to the API (see historyOf in main.js).
 
 const CONVERSATIONS_KEY = "runtime-ui.conversations";
 const ACTIVE_KEY = "runtime-ui.active";
