@@ -109,12 +109,12 @@ class DecoderConfig:
     # (``pallas_kernels.native``: custom calls, which XLA's partitioner does not split) may
     # replace XLA formulations where one is built; set by ``runtime.loading.builder``.
     native_kernels: bool = False
-    # Layers walked by an unrolled loop instead of ``lax.scan``: ``None`` unrolls off XLA:CPU.
-    # On GPU a scanned step copies each layer's slice of every stacked weight before its
+    # Layers walked by an unrolled loop instead of ``lax.scan``: ``None`` unrolls on GPU.
+    # There a scanned step copies each layer's slice of every stacked weight before its
     # matmul (XLA materializes the dynamic slice), reading the weights twice; unrolled, the
     # slices are static and the matmuls read the stack in place (BENCHMARKS.md, "Accelerator
-    # check"). On CPU the scan stays: one compiled layer body keeps the many step shapes quick
-    # to compile, and the native kernels read the packed stacks whole.
+    # check"). On CPU the scan stays (measured: unrolled was slower there), and on TPU too
+    # until a TPU measures it (a scan keeps one compiled layer body, quick to compile).
     unroll_layers: bool | None = None
 
     def __post_init__(self) -> None:

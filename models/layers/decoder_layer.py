@@ -197,7 +197,7 @@ class Segment(nnx.Module):
         XLA copies each layer's slice of a custom call's operand, so where native kernels may
         run (``cfg.native_kernels``) the packed ``[layers, in, out]`` projections stay whole and
         each layer sees them as ``PackedLayer``s (expert stacks have more axes and are sliced).
-        The loop is unrolled where ``cfg.unroll_layers`` says (by default off XLA:CPU).
+        The loop is unrolled where ``cfg.unroll_layers`` says (by default on GPU).
         """
         graphdef, whole, sliced = nnx.split(self.layers, _whole_stack(cfg.native_kernels), ...)
 
@@ -213,7 +213,7 @@ class Segment(nnx.Module):
 
         unroll = cfg.unroll_layers
         if unroll is None:
-            unroll = jax.default_backend() != "cpu"
+            unroll = jax.default_backend() == "gpu"
         xs = (sliced, layer_meta(cfg, self.start, self.end))
         carry, _ = jax.lax.scan(body, carry, xs, unroll=bool(unroll))
         return carry

@@ -1,4 +1,4 @@
-"""Layers walked by an unrolled loop (``DecoderConfig.unroll_layers``, the default off XLA:CPU):
+"""Layers walked by an unrolled loop (``DecoderConfig.unroll_layers``, the default on GPU):
 the same logits as the scanned layers, and a step whose weights are read in place.
 
 On GPU a scanned step copied every layer's slice of each stacked weight before its matmul (a
