@@ -118,7 +118,6 @@ def _image_part(url: str) -> dict[str, Any]:
 
 
 def test_openai_sdk_sends_a_base64_image(server) -> None:
-    import torch
     from transformers import AutoTokenizer
 
     url, hf_model, _, folder = server
@@ -145,16 +144,7 @@ def test_openai_sdk_sends_a_base64_image(server) -> None:
     ids = tokenizer.encode(f"<s><user>What is this?{image_text}<model>", add_special_tokens=False)
     assert reply.usage.prompt_tokens == len(ids)  # the image's soft tokens are counted
     pixels = fx.hf_pixels([Image.open(io.BytesIO(_png(image)))])
-    input_ids = torch.tensor([ids])
-    hf_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=input_ids, pixel_values=torch.from_numpy(pixels),
-            token_type_ids=(input_ids == fx.IMAGE_ID).long(),
-            attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    expected = out[0, len(ids) :].tolist()
+    expected = fx.hf_greedy(hf_model, ids, pixels, NEW_TOKENS)
     assert reply.usage.completion_tokens == NEW_TOKENS
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
 

@@ -137,3 +137,19 @@ def hf_logits(model: Any, ids: list[int], pixels: np.ndarray) -> np.ndarray:
             attention_mask=torch.ones_like(input_ids),
         )
     return out.logits[0, -1].numpy()
+
+
+def hf_greedy(model: Any, ids: list[int], pixels: np.ndarray, new_tokens: int) -> list[int]:
+    """HF's greedy continuation of ``ids`` (EOS ignored) with the images' ``pixels``."""
+    import torch
+
+    input_ids = torch.tensor([ids])
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids, pixel_values=torch.from_numpy(pixels),
+            token_type_ids=(input_ids == IMAGE_ID).long(),
+            attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()

@@ -67,18 +67,7 @@ def _run(engine, ids: list[int], images: tuple[ImageInput, ...], rid: str):
 
 
 def _hf_greedy(hf_model, ids: list[int], pixels: np.ndarray) -> list[int]:
-    import torch
-
-    input_ids = torch.tensor([ids])
-    hf_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=input_ids, pixel_values=torch.from_numpy(pixels),
-            token_type_ids=(input_ids == fx.IMAGE_ID).long(),
-            attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(ids) :].tolist()
+    return fx.hf_greedy(hf_model, ids, pixels, NEW_TOKENS)
 
 
 def _inputs(engine, images) -> tuple[ImageInput, ...]:
