@@ -20,7 +20,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# ISA=x86-64-v3 serves the peer built for that instruction set (tools/build_llama_server.sh).
+# ISA=x86-64-v3 or x86-64-v4 serves the peer built for that instruction set (tools/build_llama_server.sh).
 ISA="${ISA:-native}"
 if [[ "$ISA" == native ]]; then BIN="bin"; else BIN="bin-$ISA"; fi
 SERVER="$ROOT/third_party/llama.cpp/$BIN/llama-server"

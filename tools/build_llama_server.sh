@@ -14,12 +14,17 @@
 #   JOBS=4 tools/build_llama_server.sh          (parallel compile jobs, default 2)
 #   PYTHON=python3 tools/build_llama_server.sh  (interpreter whose pip downloads the sdist)
 #   ISA=x86-64-v3 tools/build_llama_server.sh   (into bin-x86-64-v3/: see below)
+#   ISA=x86-64-v4 tools/build_llama_server.sh   (into bin-x86-64-v4/: see below)
 #
 # ISA: the instruction set the peer is built for, to compare it with our kernels built for the
 # same one (RUNTIME_NATIVE_ISA). "native" (default: llama.cpp's own default, GGML_NATIVE=ON, all
 # the build machine has) into bin/; "x86-64-v3" (AVX2, FMA, F16C and BMI2 with AVX-512 off:
 # GGML_NATIVE=OFF and ggml's per-feature switches, as llama.cpp's docs build for a target) into
-# bin-x86-64-v3/, which an AVX-512 machine also runs. The flags used are printed and kept in
+# bin-x86-64-v3/, which an AVX-512 machine also runs; "x86-64-v4" (AVX-512 F/BW/VL/DQ/CD with
+# VNNI, VBMI and BF16, AVX-VNNI, and AMX off: what our kernels' AVX-512 build uses) into
+# bin-x86-64-v4/. A GGML_NATIVE=ON build on a virtual machine whose CPUID lists AMX but whose
+# kernel does not grant the tile state dies with SIGILL in ggml's AMX kernels (seen on a
+# 2-vCPU Xeon, 2026-11-27); build x86-64-v4 there. The flags used are printed and kept in
 # the bin folder's build-flags.txt.
 set -euo pipefail
 
@@ -40,7 +45,12 @@ case "$ISA" in
                           -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF
                           -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF)
                SUFFIX="-x86-64-v3" ;;
-    *) echo "error: ISA must be native or x86-64-v3, got '$ISA'" >&2; exit 1 ;;
+    x86-64-v4) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                          -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+                          -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+                          -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+               SUFFIX="-x86-64-v4" ;;
+    *) echo "error: ISA must be native, x86-64-v3 or x86-64-v4, got '$ISA'" >&2; exit 1 ;;
 esac
 BUILD_DIR="$OUT_DIR/build-$LLAMA_CPP_PYTHON_VERSION$SUFFIX"
 BIN_DIR="$OUT_DIR/bin$SUFFIX"

@@ -9,6 +9,9 @@ here are XLA FFI handlers (``jax.ffi``) in C++ files beside their Python wrapper
    and VBMI where present, x86-64-v3 with AVX-VNNI where present, aarch64 with the dot-product
    extension, else a generic build) into the runtime's cache folder, keyed by the source, the
    flags, the compiler and jaxlib, so later starts load the built library at once.
+   ``prebuild()`` starts every kernel's build at once in background threads (the compiler is
+   a subprocess, so on a first start they build in parallel with each other and with the
+   model's loading); ``load`` then waits for its build.
    ``RUNTIME_NATIVE_ISA`` names another build the CPU runs, as the log names them: a lower level
    and which of its extensions to use (an AVX-512 machine then runs and measures the plain
    x86-64-v3 build, or "x86-64-v3+avxvnni"); one the CPU lacks is refused with a warning.
@@ -30,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +45,10 @@ ENV_SWITCH = "RUNTIME_NATIVE_KERNELS"  # "0" turns the native kernels off
 ENV_ISA = "RUNTIME_NATIVE_ISA"  # another build than the CPU's best (see cpu_isa)
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-psabi")
 _SOURCES = Path(__file__).resolve().parent
+KERNELS = ("dequant_matmul", "paged_attention")  # the sources beside this file
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _paths: dict[str, Path] = {}
+_pending: dict[str, Future[Path]] = {}  # builds prebuild() started
 _lock = threading.Lock()
 
 
@@ -230,6 +236,31 @@ def _build(name: str, compiler: str) -> Path:
     return target
 
 
+def prebuild(names: tuple[str, ...] = KERNELS) -> None:
+    """Start building ``names`` (those not built or loaded yet) in daemon threads; a later
+    ``load`` takes the result, or the build's error. Nothing when native kernels are off or no
+    compiler is found (``load`` says so)."""
+    compiler = _compiler()
+    if not enabled() or compiler is None:
+        return
+    with _lock:
+        for name in names:
+            if name in _loaded or name in _pending:
+                continue
+            future: Future[Path] = Future()
+            _pending[name] = future
+            threading.Thread(
+                target=_build_into, args=(future, name, compiler), name=f"build-{name}", daemon=True
+            ).start()
+
+
+def _build_into(future: Future[Path], name: str, compiler: str) -> None:
+    try:
+        future.set_result(_build(name, compiler))
+    except BaseException as exc:  # handed to load(), which logs it
+        future.set_exception(exc)
+
+
 def load(name: str) -> ctypes.CDLL | None:
     """The loaded library of ``<name>.cc``, built on first use; None (logged once) when native
     kernels are off or cannot be built here."""
@@ -244,7 +275,8 @@ def load(name: str) -> ctypes.CDLL | None:
             logger.warning("no C++ compiler found: the CPU runs the XLA formulation of %s", name)
         else:
             try:
-                path = _build(name, compiler)
+                pending = _pending.pop(name, None)
+                path = pending.result() if pending is not None else _build(name, compiler)
                 library = ctypes.CDLL(str(path))
                 _paths[name] = path
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:

@@ -119,6 +119,8 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     loads them as ``dtype`` floats. A prepared checkpoint is restored as it was prepared
     (``runtime.loading.prepared``)."""
     enable_compilation_cache(cache_root() / "xla")
+    if native_kernels_allowed(config.tensor_parallel_size):
+        native.prebuild()  # a first start compiles the kernels while the model is fetched and read
     files = resolve_model_source(config.model_id, config.weight_file)
     if files.kind == "prepared":
         # orbax is imported only for prepared checkpoints
@@ -126,9 +128,11 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
 
         return load_prepared(config, files, packed)
     checkpoint = load_checkpoint(files)
-    # The architecture is checked before the (slow) tokenizer and weights are read.
-    spec, model_config = configure_model(config, checkpoint.config)
+    # The architecture is checked before the (slow) tokenizer and weights are read; the
+    # tokenizer is read while prebuilt native kernels may still compile (configure_model waits).
+    model_config_from_hf(checkpoint.config)
     tokenizer = load_tokenizer(files)
+    spec, model_config = configure_model(config, checkpoint.config)
     dtype = resolve_dtype(config.dtype)
     tensors = checkpoint.tensors(packed=packed)
     vision_tensors = VisionTensors(spec) if spec.vision is not None else None
@@ -407,6 +411,11 @@ def _size_cache(
     return num_pages, max_model_len
 
 
+def native_kernels_allowed(tensor_parallel_size: int) -> bool:
+    """Whether native kernels may run: the step runs on XLA:CPU without a device mesh."""
+    return jax.default_backend() == "cpu" and tensor_parallel_size == 1
+
+
 def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     """``model_config`` with ``native_kernels`` set: on where the step runs on XLA:CPU without a
     device mesh (one device per replica). A native kernel is a custom call, which XLA's SPMD
@@ -416,7 +425,7 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
     Each kernel's call classes are then timed against XLA on this CPU (once per machine and
     build: ``pallas_kernels.native.calibration``), and each runs the faster; the log names
     the instruction set built for and each choice."""
-    allowed = jax.default_backend() == "cpu" and tensor_parallel_size == 1
+    allowed = native_kernels_allowed(tensor_parallel_size)
     if allowed and not calibration.calibrate():
         logger.info("native CPU kernels unavailable: every kernel runs its XLA formulation")
     return dataclasses.replace(model_config, native_kernels=allowed)

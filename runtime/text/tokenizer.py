@@ -1,7 +1,7 @@
 """Text <-> token ids through HF fast tokenizers, chat templates, and streaming detokenization.
 
 A ``Tokenizer`` comes from a GGUF file (transformers rebuilds the fast tokenizer from the GGUF
-vocabulary) or from an HF folder (``tokenizer.json``/``tokenizer_config.json``). Remote code is
+vocabulary, once per file: ``tokenizer_cache`` keeps it for later starts) or from an HF folder (``tokenizer.json``/``tokenizer_config.json``). Remote code is
 never run: a folder whose config asks for a custom class (``auto_map``) gets the generic fast
 tokenizer over its ``tokenizer.json``.
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_llm_runtime.runtime.loading.gguf.loader import read_gguf_header
+from jax_llm_runtime.runtime.text import tokenizer_cache
 from jax_llm_runtime.runtime.text.chat_template import render_chat_template
 
 # Tokenizer metadata that llama.cpp treats as end of generation.
@@ -67,14 +68,19 @@ class Tokenizer:
         # Bounds-check the file first: transformers parses it with gguf.GGUFReader, which can
         # loop forever on a crafted file.
         metadata = read_gguf_header(path).metadata
-        from transformers import AutoTokenizer
 
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except _LOAD_ERRORS as e:
-            raise TokenizerError(f"cannot build a tokenizer from {path}: {e}") from e
-        if metadata.get("tokenizer.ggml.pre") in _GGUF_DIGIT_SPLIT_PRE:
-            _split_digits(hf)
+        def build() -> Any:
+            from transformers import AutoTokenizer
+
+            try:
+                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except _LOAD_ERRORS as e:
+                raise TokenizerError(f"cannot build a tokenizer from {path}: {e}") from e
+            if metadata.get("tokenizer.ggml.pre") in _GGUF_DIGIT_SPLIT_PRE:
+                _split_digits(hf)
+            return hf
+
+        hf = tokenizer_cache.load_or_build(path, build)
         eos = {metadata[k] for k in _GGUF_EOS_KEYS if isinstance(metadata.get(k), int)}
         template = metadata.get("tokenizer.chat_template") or _default_template(hf)
         return cls(hf, _with_hf_eos(eos, hf), template)

@@ -230,3 +230,49 @@ def test_the_ops_follow_the_verdicts() -> None:
     # impl="native" still forces the kernel (its own tests rely on it).
     forced = jax.jit(lambda *a: attention(*a, scale=0.25, impl="native")).lower(*args).as_text()
     assert "runtime_paged_attention_" in forced
+
+
+def _fake_compiler(tmp_path: Path, fail: bool) -> Path:
+    """A ``$CXX`` that logs each build and links an empty library at ``-o`` (or fails)."""
+    script = tmp_path / "cxx"
+    log = tmp_path / "builds.log"
+    body = f'echo "$@" >> "{log}"\n'
+    if fail:
+        body += "echo 'fatal: no space left' >&2; exit 1\n"
+    else:
+        body += 'out=""; prev=""; for a in "$@"; do [ "$prev" = -o ] && out="$a"; prev="$a"; done\n'
+        body += 'exec c++ -shared -fPIC -x c++ /dev/null -o "$out"\n'
+    script.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n' + body)
+    script.chmod(0o755)
+    return log
+
+
+@pytest.mark.skipif(native._compiler() is None, reason="needs a C++ compiler to link a library")
+@pytest.mark.parametrize("fail", [False, True])
+def test_prebuild_builds_in_the_background_and_load_takes_the_result(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fail: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A first start builds every kernel at once while the model loads; load() then waits for
+    # that build (no second compile), and a failed build is the usual warning and XLA fallback.
+    log = _fake_compiler(tmp_path, fail)
+    monkeypatch.setenv("CXX", str(tmp_path / "cxx"))
+    monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(native.ENV_SWITCH, "1")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_paths", {})
+    monkeypatch.setattr(native, "_pending", {})
+    native.prebuild()
+    assert set(native._pending) == set(native.KERNELS)
+    libraries = {name: native.load(name) for name in native.KERNELS}
+    assert not native._pending
+    builds = log.read_text().splitlines()
+    assert sorted(line.split(".cc")[0].rsplit("/", 1)[1] for line in builds) == sorted(
+        native.KERNELS
+    )
+    if fail:
+        assert all(library is None for library in libraries.values())
+        assert "no space left" in caplog.text and "using XLA" in caplog.text
+    else:
+        assert all(library is not None for library in libraries.values())
+        native.prebuild()  # loaded already: nothing starts
+        assert not native._pending and len(log.read_text().splitlines()) == len(native.KERNELS)

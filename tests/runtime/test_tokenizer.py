@@ -195,3 +195,43 @@ def test_from_gguf_rejects_bad_file(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + bytes(30))
     with pytest.raises(ValueError, match="GGUF"):
         Tokenizer.from_gguf(path)
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_cached_for_later_starts(
+    smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first start rebuilds the tokenizer from the GGUF file and saves it; a later start loads
+    # the saved one (no GGUF parse) and tokenizes, renders and decodes exactly as the rebuilt one.
+    import transformers
+
+    from jax_llm_runtime.runtime.text import tokenizer_cache
+
+    monkeypatch.setenv("RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / smollm2_gguf.name
+    model.symlink_to(smollm2_gguf)
+    built = Tokenizer.from_gguf(model)
+    assert (tokenizer_cache.cache_folder(model) / "tokenizer.json").is_file()
+
+    def no_rebuild(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cached tokenizer was rebuilt from the GGUF file")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", no_rebuild)
+        cached = Tokenizer.from_gguf(model)
+    assert type(cached.hf) is type(built.hf)
+    for attribute in ("eos_token_ids", "bos_token_id", "vocab_size", "chat_template"):
+        assert getattr(cached, attribute) == getattr(built, attribute), attribute
+    texts = [TEXT, " leading  spaces\n\ttabs", "TERMS\n\n  0. Definitions 12345", "<|im_end|>x"]
+    for text in texts:
+        for special in (True, False):
+            ids = built.encode(text, add_special_tokens=special)
+            assert cached.encode(text, add_special_tokens=special) == ids
+            assert cached.decode(ids, skip_special_tokens=False) == built.decode(ids, False)
+    for conversation in CONVERSATIONS:
+        assert cached.apply_chat_template(conversation) == built.apply_chat_template(conversation)
+    # A different file at the same path (another size and modification time) has its own entry.
+    before = tokenizer_cache.cache_folder(model)
+    model.unlink()
+    model.write_bytes(b"GGUF")
+    assert tokenizer_cache.cache_folder(model) != before
