@@ -35,6 +35,12 @@
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
 // whole stack and no per-layer slice is copied.
+//
+// The file is one translation unit, or several that compile in parallel and
+// link into one library (pallas_kernels/native: PARTS): NATIVE_PART=0 is the
+// handler with everything but the passes, and NATIVE_PART=b0*16+b1 the passes
+// of one bit layout (MakePasses's explicit instance), nine tenths of the
+// compile time between them.
 
 #include <algorithm>
 #include <atomic>
@@ -54,11 +60,14 @@
 #include <arm_neon.h>
 #endif
 
+#if !defined(NATIVE_PART) || NATIVE_PART == 0
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+#endif
 
-namespace {
+// Named, not anonymous: the parts share these types and MakePasses's instances.
+namespace dequant_matmul {
 
 // Floats per vector: one register of the instruction set built for (GCC
 // expands a wider generic vector one piece at a time, through memory: 16-lane
@@ -611,6 +620,18 @@ Passes MakePasses() {
                  PassQ8<B0, B1, 8, false>}};
 }
 
+// Every bit layout the kernel takes.
+#define DQM_LAYOUTS(X) X(8, 0) X(4, 2) X(4, 1) X(4, 0) X(2, 1) X(2, 0)
+
+#if defined(NATIVE_PART) && NATIVE_PART != 0
+template Passes MakePasses<NATIVE_PART / 16, NATIVE_PART % 16>();
+}  // namespace dequant_matmul
+#else
+#if defined(NATIVE_PART)
+#define DQM_EXTERN(b0, b1) extern template Passes MakePasses<b0, b1>();
+DQM_LAYOUTS(DQM_EXTERN)
+#endif
+
 // The passes for planes of b0 and b1 bits (b1 = 0: one plane), or nullptr.
 const Passes* PassesFor(int b0, int b1) {
   static const Passes p8 = MakePasses<8, 0>(), p42 = MakePasses<4, 2>(), p41 = MakePasses<4, 1>(),
@@ -1083,7 +1104,9 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-}  // namespace
+}  // namespace dequant_matmul
+
+using dequant_matmul::DequantMatmulImpl;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
                               ffi::Ffi::Bind()
@@ -1102,3 +1125,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
                                   .Attr<int64_t>("bits1")
                                   .Attr<int64_t>("zero")
                                   .Attr<int64_t>("int8_x"));
+#endif  // the handler's unit
