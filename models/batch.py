@@ -11,13 +11,14 @@ mix of decode rows and prefill chunks that fits them.
 ``decode_rows`` (static) marks a decode step's layout: row ``s`` is sequence ``s``'s one new
 token or padding, so attention can run the padded ``[num_seqs, 1]`` contract on it.
 
-A step that prefills image tokens of a vision-language model (Gemma 3) carries three more
+A step that prefills image tokens of a vision-language model carries two or three more
 arrays, None in every other step (so text steps compile as before): ``embeds`` replace the
-token embeddings of the rows flagged in ``embed_rows`` (the image encoder's soft tokens), and
-``horizons`` give each row the last position it may attend to: its own position (causal), or
-for an image token the last position of its image, so that the tokens of one image see each
-other both ways. The scheduler keeps an image's tokens in one chunk, so those keys are written
-in the step that reads them.
+token embeddings of the rows flagged in ``embed_rows`` (the image encoder's soft tokens), and,
+for a model whose image tokens attend both ways (Gemma 3; Mistral 3's attend causally and have
+none), ``horizons`` give each row the last position it may attend to: its own position
+(causal), or for an image token the last position of its image, so that the tokens of one image
+see each other both ways. The scheduler keeps such an image's tokens in one chunk, so those
+keys are written in the step that reads them.
 
 ``state_slots`` names each sequence's state slot in a model with linear-attention layers
 (``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``. In a mixed

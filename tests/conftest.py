@@ -94,3 +94,13 @@ def gemma3_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
     folder = tmp_path_factory.mktemp("gemma3_vision")
     return folder, save_model(folder)
+
+
+@pytest.fixture(scope="session")
+def mistral3_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Mistral 3 vision-language checkpoint folder and its HF model (the
+    reference), saved once for the image tests (``tests/models/mistral3_vision_fixture.py``)."""
+    from tests.models.mistral3_vision_fixture import save_model
+
+    folder = tmp_path_factory.mktemp("mistral3_vision")
+    return folder, save_model(folder)

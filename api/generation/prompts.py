@@ -107,9 +107,7 @@ async def chat_prompt(
     processor expands them, so the ids hold every image token (``usage.prompt_tokens``
     counts them)."""
     images = await request_images(body.messages, processor, media or MediaConfig())
-    ids = await chat_prompt_ids(
-        tokenizer, body, tools, None if not images else (processor, len(images))
-    )
+    ids = await chat_prompt_ids(tokenizer, body, tools, None if not images else (processor, images))
     return ChatPrompt(ids, images)
 
 
@@ -117,14 +115,14 @@ async def chat_prompt_ids(
     tokenizer: TokenizerLike,
     body: ChatCompletionRequest,
     tools: ToolRequest | None = None,
-    expand: tuple[ImageProcessor, int] | None = None,
+    expand: tuple[ImageProcessor, tuple[ImageInput, ...]] | None = None,
 ) -> list[int]:
     """Render the chat template (with the generation prompt) and encode it without BOS/EOS added.
 
     The template itself supplies the special tokens, so ``add_special_tokens=False`` avoids a
     doubled BOS. ``tools`` reach the template as its ``tools`` variable, or as a system message
     when it has none (``api.tool_calling.chat``). ``expand`` = (processor, images): the
-    rendered text's image placeholders are expanded for that many images first.
+    rendered text's image placeholders are expanded for those images first.
     """
     kwargs = template_kwargs(body.chat_template_kwargs)
     if tools is not None:

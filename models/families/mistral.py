@@ -56,7 +56,8 @@ def ministral3_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     )
 
 
-# Text generation only: the vision tower and projector are not loaded.
+# The text model of the multimodal checkpoint; its image encoder loads apart
+# (models.families.mistral3_vision).
 MISTRAL3_WEIGHT_RULES = nested_rules(
     WEIGHT_RULES, "language_model", r"model\.(vision_tower|multi_modal_projector)\..*"
 )

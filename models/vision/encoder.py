@@ -1,15 +1,18 @@
 """What every image encoder of a vision-language model provides (``VisionSpec``), the split
-encoder the engine holds (``VisionWeights``), and its strict checkpoint loading.
+encoder the engine holds (``VisionWeights``), the packed inputs of an encoder of images of any
+size (``PackedImages``), and its strict checkpoint loading.
 
-An encoder turns preprocessed pixels ``[num_images, 3, size, size]`` into the soft tokens
-``[num_images, tokens_per_image, text_hidden]`` that replace the embeddings of a prompt's image
-tokens. Its weights live beside the text model's in the checkpoint, under
-``checkpoint_prefixes``; the text model's rules skip them.
+An encoder of one fixed image size (Gemma 3's SigLIP) turns preprocessed pixels
+``[num_images, 3, size, size]`` into the soft tokens ``[num_images, tokens_per_image,
+text_hidden]``; an encoder of images of any size (Pixtral) takes their patches packed into one
+run (``VisionSpec.pack``) and returns the soft tokens of all of them in one run. Either way they
+replace the embeddings of a prompt's image tokens. Its weights live beside the text model's in
+the checkpoint, under ``checkpoint_prefixes``; the text model's rules skip them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +24,40 @@ from jax_llm_runtime.models.weights import WeightLoadError
 
 
 @dataclass(frozen=True)
+class PackedImages:
+    """Images of any size as one encoder call's host inputs: every image's patches in one run,
+    padded to a compiled count; the encoder's output holds ``tokens[i]`` soft tokens of image
+    ``i`` after those of the images before it (padding's after all of them)."""
+
+    patches: np.ndarray  # [num_patches, channels * patch_size**2] float32
+    positions: np.ndarray  # [num_patches, 2] int32, each patch's (row, column) in its image
+    segments: np.ndarray  # [num_patches] int32, each patch's image in the call; -1: padding
+    tokens: tuple[int, ...]  # soft tokens per image
+
+
+@dataclass(frozen=True)
 class VisionSpec:
-    """``config_from_hf(hf)`` -> the encoder config (``tokens_per_image``, ``image_size``,
-    ``image_token_id``, ``boi_token_id``, ``eoi_token_id``); ``load(config, tensors, dtype)``
-    -> ``VisionWeights`` from the HF tensors named under ``checkpoint_prefixes``;
-    ``encode(config, weights, pixels)`` -> soft tokens (pure; the engine jits it).
-    ``rename`` spells a checkpoint name the way ``checkpoint_prefixes`` and ``load`` read it."""
+    """``config_from_hf(hf)`` -> the encoder config (``image_token_id``, and for one fixed image
+    size ``tokens_per_image``, ``image_size``, ``boi_token_id``, ``eoi_token_id``);
+    ``load(config, tensors, dtype)`` -> ``VisionWeights`` from the HF tensors named under
+    ``checkpoint_prefixes``; ``encode(config, weights, pixels)`` -> soft tokens (pure; the
+    engine jits it). ``rename`` spells a checkpoint name the way ``checkpoint_prefixes`` and
+    ``load`` read it.
+
+    An encoder of images of any size has ``pack(config, pixels, num_patches)`` ->
+    ``PackedImages`` (``pixels``: each image's ``[3, height, width]``; its config's
+    ``num_patches(height, width)`` counts an image's patches, ``patch_multiple`` divides every
+    padded count), and its ``encode(config, weights, patches, positions, segments)`` returns
+    ``[num_patches / merged, text_hidden]``. ``bidirectional``: the decoder lets the tokens of
+    one image attend to each other both ways (Gemma 3), rather than causally (Mistral 3)."""
 
     config_from_hf: Callable[[dict[str, Any]], Any]
     load: Callable[[Any, Mapping[str, np.ndarray], Any], Any]
     encode: Callable[..., Any]
     checkpoint_prefixes: tuple[str, ...]
     rename: Callable[[str], str] = lambda name: name
+    pack: Callable[[Any, Sequence[np.ndarray], int], PackedImages] | None = None
+    bidirectional: bool = True
 
     def owns(self, name: str) -> bool:
         """Whether a checkpoint tensor (named as ``rename`` spells it) belongs to the encoder."""

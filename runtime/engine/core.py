@@ -42,7 +42,7 @@ from jax_llm_runtime.runtime.engine.request import (
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.engine.sequence import Sequence
 from jax_llm_runtime.runtime.engine.stats import EngineStats
-from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages, image_spans
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages
 from jax_llm_runtime.runtime.multimodal.processor import ImageProcessor
 from jax_llm_runtime.runtime.text.stop_strings import OutputText
 
@@ -264,15 +264,7 @@ class Engine:
             if images:
                 raise ValueError(f"{self.model_name} does not accept images")
             return None
-        spans = image_spans(prompt, processor.image_token_id, processor.tokens_per_image)
-        if not spans and not images:
-            return None
-        if len(images) > processor.max_images:
-            raise ValueError(
-                f"the prompt holds {len(images)} images; at most {processor.max_images} are "
-                "accepted (--limit-mm-per-prompt)"
-            )
-        return SequenceImages(tuple(images), tuple(spans))
+        return processor.locate(prompt, tuple(images))
 
     def _matcher(self, grammar: str | None) -> GrammarMatcher | None:
         """A new matcher for one sequence of a constrained request (GrammarError, a ValueError,

@@ -1,10 +1,14 @@
 """The image encoder of a vision-language model, run apart from the decoder step.
 
-One jitted function (``VisionSpec.encode``: pixels to soft tokens) compiled for a few fixed
-batch sizes (1, 2, 4, ... up to the most images a prompt may hold; one image size per model),
-ahead of time like the steps. The model runner calls it on the loop thread, before the step
-whose prompt chunk first reaches a sequence's images, and keeps the soft tokens with the
-sequence (``runtime.multimodal.inputs.SequenceImages``).
+One jitted function (``VisionSpec.encode``: pixels to soft tokens) compiled ahead of time like
+the steps, for a few fixed shapes: an encoder of one image size (Gemma 3) for batch sizes 1, 2,
+4, ... up to the most images a prompt may hold; an encoder of images of any size (Mistral 3's
+Pixtral) for packed runs of 1, 2, 4, ... times a base count of patches, up to the patches of
+the largest image the processor makes, the images of a prompt packed into as few runs as fit
+(``VisionSpec.pack``; padding patches are masked). So no image compiles anything new. The
+model runner calls it on the loop thread, before the step whose prompt chunk first reaches a
+sequence's images, and keeps the soft tokens with the sequence
+(``runtime.multimodal.inputs.SequenceImages``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from jax_llm_runtime.runtime.multimodal.processor import ImageProcessor
 
+# The smallest packed run, in merged tokens (Pixtral: patches / spatial_merge_size**2).
+MIN_PACKED_TOKENS = 16
+
 
 class ImageEncoder:
-    """Owns the encoder's weights on device and its compiled batch sizes."""
+    """Owns the encoder's weights on device and its compiled shapes (batch sizes, or packed
+    patch counts)."""
 
     def __init__(
         self,
@@ -32,37 +40,85 @@ class ImageEncoder:
         weights: VisionWeights,
         processor: ImageProcessor,
     ) -> None:
+        self.spec = spec
         self.config = config
         self.weights = weights
         self.processor = processor
-        self.batch_sizes = geometric(1, max(1, processor.max_images), 2)
+        if spec.pack is None:
+            self.sizes = geometric(1, max(1, processor.max_images), 2)
+        else:
+            side = processor.pixels.max_side  # a PixtralPreprocessing
+            top = config.num_patches(side, side)
+            self.sizes = geometric(min(MIN_PACKED_TOKENS * config.patch_multiple, top), top, 2)
         self._encode = jax.jit(functools.partial(spec.encode, config))
         self.compiled = CompiledShapes("image encoder", self._lower)
 
     @property
-    def tokens_per_image(self) -> int:
-        return self.processor.tokens_per_image
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways (``VisionSpec``)."""
+        return self.spec.bidirectional
+
+    @property
+    def whole_image_tokens(self) -> int:
+        """The tokens a prompt chunk must take at once: an image's when they attend to each
+        other both ways (a chunk never cuts such an image), else 0."""
+        return self.processor.tokens.tokens_per_image if self.bidirectional else 0
 
     def keys(self) -> list[int]:
-        """The batch sizes to compile."""
-        return list(self.batch_sizes)
+        """The batch sizes, or packed patch counts, to compile."""
+        return list(self.sizes)
 
-    def _lower(self, num_images: int) -> Any:
-        size = self.config.image_size
-        pixels = jax.ShapeDtypeStruct((num_images, 3, size, size), np.float32)
-        return self._encode.lower(self.weights, pixels)
+    def _lower(self, size: int) -> Any:
+        if self.spec.pack is None:
+            side = self.config.image_size
+            pixels = jax.ShapeDtypeStruct((size, 3, side, side), np.float32)
+            return self._encode.lower(self.weights, pixels)
+        features = self.config.tower.patch_features
+        return self._encode.lower(
+            self.weights,
+            jax.ShapeDtypeStruct((size, features), np.float32),
+            jax.ShapeDtypeStruct((size, 2), np.int32),
+            jax.ShapeDtypeStruct((size,), np.int32),
+        )
 
-    def encode(self, images: tuple[ImageInput, ...]) -> np.ndarray:
-        """Soft tokens ``[num_images, tokens_per_image, text_hidden]`` float32 of ``images``,
-        in batches of the compiled sizes (padded with zero images, whose output is dropped)."""
+    def encode(self, images: tuple[ImageInput, ...]) -> list[np.ndarray]:
+        """Soft tokens of each image, ``[tokens, text_hidden]`` float32, in compiled shapes."""
+        if self.spec.pack is not None:
+            return self._encode_packed(images)
         out = []
-        largest = self.batch_sizes[-1]
+        largest = self.sizes[-1]
         for first in range(0, len(images), largest):
             group = images[first : first + largest]
-            bucket = pick(self.batch_sizes, len(group))
+            bucket = pick(self.sizes, len(group))
             pixels = np.zeros((bucket, *group[0].pixels.shape), np.float32)
             for i, image in enumerate(group):
                 pixels[i] = image.pixels
             soft = self.compiled.get(bucket)(self.weights, pixels)
-            out.append(np.asarray(soft, np.float32)[: len(group)])
-        return np.concatenate(out)
+            out += list(np.asarray(soft, np.float32)[: len(group)])
+        return out
+
+    def _encode_packed(self, images: tuple[ImageInput, ...]) -> list[np.ndarray]:
+        """Images packed in order into runs of at most the largest compiled count."""
+        assert self.spec.pack is not None
+        counts = [self.config.num_patches(*image.pixels.shape[1:]) for image in images]
+        groups: list[list[int]] = []
+        total = self.sizes[-1] + 1
+        for i, count in enumerate(counts):
+            if count > self.sizes[-1]:
+                raise ValueError(f"an image of {count} patches exceeds {self.sizes[-1]}")
+            if total + count > self.sizes[-1]:
+                groups.append([])
+                total = 0
+            groups[-1].append(i)
+            total += count
+        out = []
+        for group in groups:
+            bucket = pick(self.sizes, sum(counts[i] for i in group))
+            packed = self.spec.pack(self.config, [images[i].pixels for i in group], bucket)
+            soft = self.compiled.get(bucket)(
+                self.weights, packed.patches, packed.positions, packed.segments
+            )
+            soft = np.asarray(soft, np.float32)
+            ends = np.cumsum(packed.tokens)
+            out += [soft[end - n : end] for n, end in zip(packed.tokens, ends, strict=True)]
+        return out

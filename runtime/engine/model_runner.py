@@ -146,7 +146,7 @@ class ModelRunner:
         single = self._single_chunk(key[1], key[0])
         batch, meta = _empty_inputs(*key[:3], self.vocab_size, single)
         if key[-1] == IMAGES:
-            batch = _with_images(batch, self.config.hidden_size)
+            batch = _with_images(batch, self.config.hidden_size, self.images.bidirectional)
         batch, meta = host_inputs((batch, meta), self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
@@ -275,8 +275,10 @@ class ModelRunner:
     def _image_rows(self, step_batch: StepBatch, items: tuple[ScheduledSeq, ...]) -> StepBatch:
         """The step's image inputs (``models.batch``): each chunk's image tokens take their
         image's soft tokens (the encoder runs for a sequence's images when a chunk first
-        reaches them) and see to the end of their image."""
-        batch = _with_images(step_batch, self.config.hidden_size)
+        reaches them) and, when an image's tokens attend both ways, see to the end of their
+        image."""
+        both_ways = self.images.bidirectional
+        batch = _with_images(step_batch, self.config.hidden_size, both_ways)
         embeds, rows, horizons = batch.embeds, batch.embed_rows, batch.horizons
         row = 0
         for item in items:
@@ -286,10 +288,12 @@ class ModelRunner:
                     images.embeds = self.images.encode(images.images)
                 a, b = images.spans[i]
                 lo, hi = max(a, item.start), min(b, end)
-                chunk_rows = slice(row + lo - item.start, row + hi - item.start)
-                embeds[chunk_rows] = images.embeds[i, lo - a : hi - a]
-                rows[chunk_rows] = True
-                horizons[chunk_rows] = b - 1
+                chunk_rows = np.arange(row + lo - item.start, row + hi - item.start)
+                take, soft = images.soft_tokens(i, lo, hi)
+                embeds[chunk_rows[take]] = soft
+                rows[chunk_rows[take]] = True
+                if both_ways:
+                    horizons[chunk_rows] = b - 1
             row += item.length
         return batch
 
@@ -458,14 +462,15 @@ def _reaches_images(item: ScheduledSeq) -> bool:
     return images is not None and bool(images.overlapping(item.start, item.start + item.length))
 
 
-def _with_images(batch: StepBatch, hidden: int) -> StepBatch:
-    """``batch`` with image inputs that change nothing: no row takes an embedding, and every
-    row sees up to its own position (host arrays, filled in by ``_image_rows``)."""
+def _with_images(batch: StepBatch, hidden: int, both_ways: bool) -> StepBatch:
+    """``batch`` with image inputs that change nothing: no row takes an embedding, and, for
+    images whose tokens attend both ways, every row sees up to its own position (host arrays,
+    filled in by ``_image_rows``; causal images need no horizons, so the kernels still run)."""
     num_tokens = batch.tokens.shape[0]
     return batch.replace(
         embeds=np.zeros((num_tokens, hidden), np.float32),
         embed_rows=np.zeros(num_tokens, bool),
-        horizons=np.array(batch.positions, np.int32),
+        horizons=np.array(batch.positions, np.int32) if both_ways else None,
     )
 
 

@@ -266,13 +266,13 @@ def _plan(
     config: EngineConfig, max_model_len: int, mixed: bool, images: ImageEncoder | None = None
 ) -> tuple[BucketPlan, int, int]:
     """The compiled buckets, and the step's token budget with and without decode rows (the
-    buckets cover the larger, and with images one image's tokens beside every decode row: a
-    chunk never cuts an image, see ``runtime.engine.scheduler``)."""
+    buckets cover the larger, and with images whose tokens attend both ways one image's tokens
+    beside every decode row: a chunk never cuts such an image, see ``runtime.engine.scheduler``)."""
     budget = config.batched_tokens(jax.default_backend(), max_model_len)
     prefill_only = config.prefill_only_tokens(jax.default_backend(), max_model_len)
     top = max(budget, prefill_only)
-    if images is not None:
-        top = max(top, images.tokens_per_image + config.max_num_seqs)
+    if images is not None and images.whole_image_tokens:
+        top = max(top, images.whole_image_tokens + config.max_num_seqs)
     plan = BucketPlan.build(
         config.max_num_seqs,
         max_model_len,

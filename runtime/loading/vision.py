@@ -15,6 +15,7 @@ import numpy as np
 from jax_llm_runtime.models.registry import ModelSpec
 from jax_llm_runtime.models.vision.encoder import VisionWeights
 from jax_llm_runtime.runtime.engine.image_encoder import ImageEncoder
+from jax_llm_runtime.runtime.multimodal.pixtral import mistral3_processor
 from jax_llm_runtime.runtime.multimodal.processor import gemma3_processor
 
 logger = logging.getLogger(__name__)
@@ -51,23 +52,35 @@ def load_vision(
     config = vision.config_from_hf(hf_config)
     weights = vision.load(config, tensors.captured, dtype)
     tensors.captured.clear()
-    logger.info(
-        "image encoder: %d x %d pixels to %d tokens per image",
-        config.image_size,
-        config.image_size,
-        config.tokens_per_image,
-    )
+    if vision.pack is None:
+        logger.info(
+            "image encoder: %d x %d pixels to %d tokens per image",
+            config.image_size,
+            config.image_size,
+            config.tokens_per_image,
+        )
+    else:
+        logger.info("image encoder: images of any size, %d-pixel patches", config.patch_size)
     return LoadedVision(config, weights, folder)
 
 
 def image_encoder(
     spec: ModelSpec, vision: LoadedVision, tokenizer: Any, max_images: int
 ) -> ImageEncoder:
-    """The engine's encoder, with the processor of its prompts' images (Gemma 3's)."""
+    """The engine's encoder, with the processor of its prompts' images (the architecture's)."""
     assert spec.vision is not None
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    processor = gemma3_processor(vision.folder, vision.config, token_text, max_images)
+    def token_id(text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer spells {text!r} as {len(ids)} tokens, not one")
+        return ids[0]
+
+    if spec.hf_architecture == "Mistral3ForConditionalGeneration":
+        processor = mistral3_processor(vision.folder, vision.config, token_id, max_images)
+    else:
+        processor = gemma3_processor(vision.folder, vision.config, token_text, max_images)
     return ImageEncoder(spec.vision, vision.config, vision.weights, processor)

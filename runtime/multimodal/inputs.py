@@ -1,10 +1,16 @@
 """What a request's images are to the engine: preprocessed pixels with a digest
 (``ImageInput``), and per sequence where its image tokens sit and their soft tokens once the
-encoder ran (``SequenceImages``)."""
+encoder ran (``SequenceImages``).
+
+An image's tokens in a prompt are one run (its *span*). For Gemma 3 every token of the run
+takes a soft token; for Mistral 3 the run is ``[IMG]`` tokens row by row with an
+``[IMG_BREAK]`` after each row and ``[IMG_END]`` last, and only the ``[IMG]`` tokens take soft
+tokens (``SequenceImages.soft_index``)."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +20,7 @@ import numpy as np
 class ImageInput:
     """One image, preprocessed for the model's encoder."""
 
-    pixels: np.ndarray  # [3, size, size] float32
+    pixels: np.ndarray  # [3, height, width] float32
     digest: bytes  # SHA-256 of the pixels: the prefix cache's key for the image
 
     @classmethod
@@ -44,16 +50,43 @@ def image_spans(
     return spans
 
 
+def delimited_spans(
+    prompt_ids: list[int], member_ids: tuple[int, ...], end_id: int
+) -> list[tuple[int, int]]:
+    """``[start, end)`` of each image's run in the prompt, in order: tokens of ``member_ids``
+    in a row, each run ending at ``end_id`` (two images may touch); a ValueError when a run does
+    not end with ``end_id``."""
+    ids = np.asarray(prompt_ids)
+    member = np.isin(ids, member_ids)
+    ends_run = member & ((ids == end_id) | ~np.concatenate([member[1:], [False]]))
+    starts_run = member & ~np.concatenate([[False], member[:-1] & ~(ids[:-1] == end_id)])
+    spans = [
+        (int(s), int(e) + 1)
+        for s, e in zip(np.flatnonzero(starts_run), np.flatnonzero(ends_run), strict=True)
+    ]
+    for start, end in spans:
+        if ids[end - 1] != end_id:
+            raise ValueError(
+                f"the image tokens at position {start} do not end with the image end token"
+            )
+    return spans
+
+
 @dataclass(eq=False)
 class SequenceImages:
-    """A sequence's images: ``spans[i]`` holds ``images[i]``'s soft tokens in the prompt.
-    ``embeds`` are the encoder's output, computed once, the first time a chunk reaches an
-    image, and kept (on the host) until the sequence ends, so a preempted sequence is
-    recomputed with the same soft tokens without running the encoder again."""
+    """A sequence's images: ``spans[i]`` holds ``images[i]``'s tokens in the prompt, and
+    ``soft_index[i]`` (None: every position of every span in turn) the soft token each position
+    of the span takes (-1: none, the token keeps its embedding). ``embeds`` are the encoder's
+    output, computed once, the first time a chunk reaches an image, and kept (on the host)
+    until the sequence ends, so a preempted sequence is recomputed with the same soft tokens
+    without running the encoder again. ``bidirectional``: the tokens of one image attend to
+    each other both ways, so a chunk must not cut an image (else causally, like text)."""
 
     images: tuple[ImageInput, ...]
     spans: tuple[tuple[int, int], ...]
-    embeds: np.ndarray | None = field(default=None, repr=False)  # [num_images, tokens, hidden]
+    embeds: Sequence[np.ndarray] | None = field(default=None, repr=False)  # [tokens, hidden] each
+    soft_index: tuple[np.ndarray, ...] | None = field(default=None, repr=False)  # [span] int32
+    bidirectional: bool = True
 
     def __post_init__(self) -> None:
         if len(self.images) != len(self.spans):
@@ -66,11 +99,24 @@ class SequenceImages:
         """Indices of the images whose tokens intersect positions ``[start, stop)``."""
         return [i for i, (a, b) in enumerate(self.spans) if a < stop and start < b]
 
+    def soft_tokens(self, i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """For prompt positions ``[lo, hi)`` inside image ``i``'s span: which take a soft token
+        (``[hi - lo]`` bool) and those soft tokens, in order (``[taken, hidden]``)."""
+        a = self.spans[i][0]
+        if self.soft_index is None:
+            index = np.arange(lo - a, hi - a)
+        else:
+            index = self.soft_index[i][lo - a : hi - a]
+        take = index >= 0
+        return take, np.asarray(self.embeds[i])[index[take]]
+
     def safe_end(self, start: int, stop: int) -> int:
-        """``stop`` moved so that no image's tokens are cut, since the tokens of one image
-        attend to each other both ways and so must be computed in one step: back to the start
-        of an image it would cut, or, when that leaves nothing (the chunk starts inside the
-        image or at it), on to the image's end."""
+        """``stop`` moved so that no image's tokens are cut when they attend to each other both
+        ways and so must be computed in one step: back to the start of an image it would cut,
+        or, when that leaves nothing (the chunk starts inside the image or at it), on to the
+        image's end. Causal image tokens are cut like text."""
+        if not self.bidirectional:
+            return stop
         for a, b in self.spans:
             if a < stop < b:
                 return a if a > start else b

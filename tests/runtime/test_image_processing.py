@@ -1,5 +1,6 @@
 """Image bytes to pixels: hostile inputs are refused in bounded time, and the pixels equal
-transformers' Gemma 3 image processor's for odd sizes and modes."""
+transformers' Gemma 3 and Pixtral (Mistral 3) image processors' for odd sizes and modes; the
+runs of image tokens found in a prompt."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import pytest
 from PIL import Image
 
 from jax_llm_runtime.runtime.multimodal.decode import ImageError, decode_image
-from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages, image_spans
+from jax_llm_runtime.runtime.multimodal.inputs import (
+    SequenceImages,
+    delimited_spans,
+    image_spans,
+)
+from jax_llm_runtime.runtime.multimodal.pixtral import PixtralPreprocessing
 from jax_llm_runtime.runtime.multimodal.processor import PixelPreprocessing
 from tests.models import gemma3_vision_fixture as fx
 
@@ -35,6 +41,42 @@ def test_pixels_equal_transformers() -> None:
     ours = PixelPreprocessing(size=fx.IMAGE_SIZE)
     for image, ref in zip(images, expected, strict=True):
         np.testing.assert_allclose(ours(image), ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("longest_edge", "multiple"), [(40, 8), (112, 28), (1540, 28)])
+def test_pixtral_pixels_equal_transformers(longest_edge: int, multiple: int) -> None:
+    """Images smaller and larger than ``longest_edge``, of odd sizes and modes: resized keeping
+    their aspect to multiples of the merged patch, as transformers' Pixtral processor does."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    rng = np.random.default_rng(5)
+    images = fx.random_images(4, seed=4)
+    transparent = Image.new("P", (29, 17))
+    transparent.putpalette([i % 256 for i in range(768)])
+    transparent.info["transparency"] = 5
+    images += [transparent]
+    for h, w in ((9, 300), (301, 127), (1000, 1713), (57, 57)):
+        images.append(Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)))
+    hf = PixtralImageProcessorPil(
+        size={"longest_edge": longest_edge}, patch_size={"height": multiple, "width": multiple}
+    )
+    ours = PixtralPreprocessing(longest_edge=longest_edge, multiple=multiple)
+    for image in images:
+        ref = hf(image, return_tensors="np")["pixel_values"][0]
+        got = ours(image)
+        assert got.shape == ref.shape and got.shape[1] % multiple == got.shape[2] % multiple == 0
+        assert max(got.shape[1:]) <= ours.max_side
+        np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
+def test_delimited_spans() -> None:
+    """Runs of ``[IMG]`` (9), ``[IMG_BREAK]`` (8) and ``[IMG_END]`` (7), each ending at its end
+    token, also where two images touch."""
+    ids = [1, 9, 9, 8, 9, 9, 7, 2, 9, 7, 9, 8, 9, 7, 3]
+    assert delimited_spans(ids, (9, 8, 7), 7) == [(1, 7), (8, 10), (10, 14)]
+    assert delimited_spans([1, 2], (9, 8, 7), 7) == []
+    with pytest.raises(ValueError, match="end token"):
+        delimited_spans([1, 9, 8, 2], (9, 8, 7), 7)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
@@ -89,3 +131,5 @@ def test_image_spans_and_safe_chunk_ends() -> None:
     assert fake.safe_end(2, 4) == 5  # a chunk from the image's start takes it whole
     assert fake.safe_end(0, 5) == 5 and fake.safe_end(5, 7) == 6
     assert fake.overlapping(4, 7) == [0, 1]
+    causal = SequenceImages((object(), object()), tuple(spans), bidirectional=False)  # type: ignore[arg-type]
+    assert causal.safe_end(0, 4) == 4 and causal.safe_end(2, 4) == 4  # cut like text

@@ -1,0 +1,152 @@
+"""A tiny Mistral 3 vision-language model through the whole engine: greedy tokens equal HF's
+``generate`` with images of different sizes while prompts are prefilled in chunks that cut
+through the images (their tokens attend causally, so a chunk may end inside one); image traffic
+compiles nothing after startup (the encoder's packed patch counts are compiled buckets); the
+processor's pixels and prompt expansion are what the engine expects; a prompt whose image tokens
+do not match its images is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jax_llm_runtime.runtime.engine.request import SamplingParams
+from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
+from tests.models import mistral3_vision_fixture as fx
+from tests.models.gemma3_vision_fixture import random_images
+
+NEW_TOKENS = 8
+PAGE_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def served(mistral3_vision_checkpoint):
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, hf_model = mistral3_vision_checkpoint
+    config = EngineConfig(
+        model_id=str(folder), max_num_seqs=2, max_model_len=128, dtype="float32",
+        page_size=PAGE_SIZE, prefill_chunk_size=PAGE_SIZE, max_num_batched_tokens=12,
+        decode_steps=1, kvcache_mem_mb=1,
+    )  # fmt: skip
+    engine = build_engine(config)
+    engine.start()
+    yield engine, hf_model
+    engine.shutdown()
+
+
+def _prompt(images: tuple[ImageInput, ...], text: bytes = b"describe:") -> list[int]:
+    ids = [256, *text]
+    for image in images:
+        ids += fx.image_sequence(image.pixels) + list(b"ok")
+    return ids
+
+
+def _run(engine, ids: list[int], images: tuple[ImageInput, ...], rid: str) -> list[int]:
+    async def go() -> list[int]:
+        out = []
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        async for delta in engine.generate(ids, sampling, rid, images):
+            out += delta.token_ids
+        return out
+
+    return asyncio.run(go())
+
+
+def _inputs(engine, images) -> tuple[ImageInput, ...]:
+    return tuple(engine.image_processor.preprocess(image) for image in images)
+
+
+def _hf_greedy(hf_model, ids: list[int], images: tuple[ImageInput, ...]) -> list[int]:
+    return fx.hf_greedy(hf_model, ids, [image.pixels for image in images], NEW_TOKENS)
+
+
+def test_greedy_matches_hf_with_chunked_prefill(served) -> None:
+    engine, hf_model = served
+    for num_images in (1, 2):
+        inputs = _inputs(engine, random_images(num_images, seed=10 + num_images))
+        ids = _prompt(inputs)
+        assert len(ids) > 3 * PAGE_SIZE  # several chunks, some ending inside an image
+        assert _run(engine, ids, inputs, f"greedy-{num_images}") == _hf_greedy(
+            hf_model, ids, inputs
+        )
+
+
+def test_concurrent_prompts_with_images(served) -> None:
+    """Prompts with different images at once: their chunks share steps with each other's
+    decode rows, and each gets HF's greedy tokens."""
+    engine, hf_model = served
+    inputs = [_inputs(engine, random_images(n, seed=50 + n)) for n in (1, 2)]
+    prompts = [_prompt(inputs[0], b"first:"), _prompt(inputs[1], b"second, longer:")]
+
+    async def both() -> list[list[int]]:
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+        async def one(i: int) -> list[int]:
+            out = []
+            async for delta in engine.generate(prompts[i], sampling, f"both-{i}", inputs[i]):
+                out += delta.token_ids
+            return out
+
+        return list(await asyncio.gather(one(0), one(1)))
+
+    got = asyncio.run(both())
+    for ids, images, tokens in zip(prompts, inputs, got, strict=True):
+        assert tokens == _hf_greedy(hf_model, ids, images)
+
+
+def test_processor_pixels_and_expansion(served) -> None:
+    """The engine's processor makes transformers' pixels, and expands the template's ``[IMG]``
+    into the grid of tokens the engine then finds, per image size."""
+    engine, _ = served
+    processor = engine.image_processor
+    images = random_images(4, seed=7)
+    inputs = _inputs(engine, images)
+    for ours, ref in zip(inputs, fx.hf_pixels(images), strict=True):
+        np.testing.assert_allclose(ours.pixels, ref, atol=1e-6, rtol=0)
+    text = processor.expand("<s>[IMG][IMG]", inputs[:2])  # two images that touch
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    grids = [fx.image_sequence(image.pixels) for image in inputs[:2]]
+    assert ids == [256, *grids[0], *grids[1]] and len(grids[0]) != len(grids[1])
+    located = processor.locate(ids, inputs[:2])
+    assert located is not None and not located.bidirectional
+    assert located.spans == ((1, 1 + len(grids[0])), (1 + len(grids[0]), len(ids)))
+    with pytest.raises(ValueError, match="placeholders"):
+        processor.expand("[IMG]", inputs[:2])
+
+
+def test_image_traffic_compiles_nothing_after_startup(served) -> None:
+    import jax
+
+    engine, _ = served
+    assert engine.compile_done.wait(timeout=300)
+    events: list[str] = []
+
+    def listener(event: str, *_args, **_kwargs) -> None:
+        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for n in (1, 3):
+            inputs = _inputs(engine, random_images(n, seed=40 + n))
+            _run(engine, _prompt(inputs), inputs, f"no-compile-{n}")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+
+
+def test_text_prompts_and_mismatched_images(served) -> None:
+    engine, _ = served
+    assert len(_run(engine, [256, *b"just text"], (), "text")) == NEW_TOKENS
+    inputs = _inputs(engine, random_images(2))
+    with pytest.raises(ValueError, match="image"):
+        _run(engine, _prompt(inputs[:1]), inputs, "mismatch")
+    swapped = _prompt((inputs[1], inputs[0]))  # the grids of other sizes
+    with pytest.raises(ValueError, match="grid"):
+        _run(engine, swapped, inputs, "swapped")
+    with pytest.raises(ValueError, match="end token"):
+        _run(engine, [256, fx.IMG_ID, fx.BREAK_ID, 65], (), "stray")
