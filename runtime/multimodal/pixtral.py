@@ -100,6 +100,7 @@ class GridImageTokens:
     row_break: tuple[str, int]  # [IMG_BREAK]
     end: tuple[str, int]  # [IMG_END]
     multiple: int  # pixels per merged patch, per side
+    max_side: int  # the longest side, in pixels, the encoder's compiled shapes hold
 
     @property
     def image_token_id(self) -> int:
@@ -120,6 +121,16 @@ class GridImageTokens:
     def expansion(self, image: ImageInput) -> str:
         return "".join(self._layout(image, 0))
 
+    def _check_size(self, index: int, image: ImageInput) -> None:
+        """A ValueError for pixels this processor does not make (a library caller's own)."""
+        shape = image.pixels.shape
+        sides = shape[1:]
+        if len(shape) != 3 or any(side % self.multiple or side > self.max_side for side in sides):
+            raise ValueError(
+                f"image {index}'s pixels {shape} are not [3, height, width] with sides multiples "
+                f"of {self.multiple} up to {self.max_side}"
+            )
+
     def locate(
         self, prompt_ids: list[int], images: tuple[ImageInput, ...]
     ) -> SequenceImages | None:
@@ -131,6 +142,7 @@ class GridImageTokens:
             return SequenceImages(tuple(images), tuple(spans))
         soft_index = []
         for i, ((a, b), image) in enumerate(zip(spans, images, strict=True)):
+            self._check_size(i, image)
             expected = np.asarray(self._layout(image, 1))
             if b - a != len(expected) or not np.array_equal(prompt_ids[a:b], expected):
                 rows, cols = self.grid(image)
@@ -166,11 +178,16 @@ def mistral3_processor(
             f"the model's image_token_id is {vision_config.image_token_id}"
         )
     multiple = vision_config.patch_size * vision_config.spatial_merge_size
+    pixels = PixtralPreprocessing.from_hf(read_preprocessor(folder), multiple)
     tokens = GridImageTokens(
-        spelled["image_token"], spelled["image_break_token"], spelled["image_end_token"], multiple
+        spelled["image_token"],
+        spelled["image_break_token"],
+        spelled["image_end_token"],
+        multiple,
+        pixels.max_side,
     )
     return ImageProcessor(
-        pixels=PixtralPreprocessing.from_hf(read_preprocessor(folder), multiple),
+        pixels=pixels,
         placeholder=spelled["image_token"][0],
         tokens=tokens,
         max_images=max_images,
