@@ -64,15 +64,25 @@ def _hf_greedy(hf_model, ids: list[int], images: tuple[ImageInput, ...]) -> list
     return fx.hf_greedy(hf_model, ids, [image.pixels for image in images], NEW_TOKENS)
 
 
-def test_greedy_matches_hf_with_chunked_prefill(served) -> None:
+def test_greedy_matches_hf_with_chunked_prefill(served, monkeypatch) -> None:
     engine, hf_model = served
+    chunk_ends: list[int] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        chunk_ends.extend(i.start + i.length for i in batch.items if i.length > 1)
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", recording)
     for num_images in (1, 2):
         inputs = _inputs(engine, random_images(num_images, seed=10 + num_images))
         ids = _prompt(inputs)
-        assert len(ids) > 3 * PAGE_SIZE  # several chunks, some ending inside an image
+        chunk_ends.clear()
         assert _run(engine, ids, inputs, f"greedy-{num_images}") == _hf_greedy(
             hf_model, ids, inputs
         )
+        spans = engine.image_processor.locate(ids, inputs).spans
+        assert any(a < end < b for end in chunk_ends for a, b in spans)  # a chunk cut an image
 
 
 def test_concurrent_prompts_with_images(served) -> None:
