@@ -2,8 +2,9 @@
 ``generate`` with images of different sizes while prompts are prefilled in chunks that cut
 through the images (their tokens attend causally, so a chunk may end inside one); image traffic
 compiles nothing after startup (the encoder's packed patch counts are compiled buckets); the
-processor's pixels and prompt expansion are what the engine expects; a prompt whose image tokens
-do not match its images is refused."""
+processor's pixels and prompt expansion are what the engine expects; the prefix cache tells
+images apart; a preempted sequence is recomputed with the soft tokens it kept; a prompt whose
+image tokens do not match its images is refused."""
 
 from __future__ import annotations
 
@@ -160,3 +161,62 @@ def test_text_prompts_and_mismatched_images(served) -> None:
         _run(engine, swapped, inputs, "swapped")
     with pytest.raises(ValueError, match="end token"):
         _run(engine, [256, fx.IMG_ID, fx.BREAK_ID, 65], (), "stray")
+
+
+def test_prefix_cache_keys_include_images(served) -> None:
+    """Pages that hold part of an image are keyed by its digest too: a prompt alike but for its
+    image shares only the pages before the image; the same image again shares its pages."""
+    engine, hf_model = served
+    first, second = (_inputs(engine, random_images(1, seed=s)) for s in (20, 21))
+    ids = _prompt(first, b"a longer prefix of text:")
+    assert ids == _prompt(second, b"a longer prefix of text:")  # images of one size
+    image_start = ids.index(fx.IMG_ID)
+
+    async def cached(images: tuple[ImageInput, ...], rid: str) -> tuple[list[int], int]:
+        out, count = [], 0
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        async for delta in engine.generate(ids, sampling, rid, images):
+            out += delta.token_ids
+            count = delta.num_cached_tokens
+        return out, count
+
+    a, _ = asyncio.run(cached(first, "cache-a"))
+    b, cached_b = asyncio.run(cached(second, "cache-b"))
+    assert cached_b == image_start // PAGE_SIZE * PAGE_SIZE
+    again, cached_again = asyncio.run(cached(first, "cache-a-again"))
+    assert cached_again > image_start + len(fx.image_sequence(first[0].pixels)) - PAGE_SIZE
+    assert again == a and b == _hf_greedy(hf_model, ids, second)
+
+
+def test_preemption_recomputes_with_the_same_images(mistral3_vision_checkpoint) -> None:
+    """A sequence preempted after its images were prefilled is recomputed from its tokens (no
+    prefix cache here) with the soft tokens it kept: the encoder runs once, and the greedy
+    tokens are HF's."""
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, hf_model = mistral3_vision_checkpoint
+    config = EngineConfig(
+        model_id=str(folder), max_num_seqs=2, max_model_len=128, dtype="float32",
+        page_size=PAGE_SIZE, prefill_chunk_size=PAGE_SIZE, max_num_batched_tokens=12,
+        decode_steps=1, kvcache_mem_mb=1, prefix_cache=False,
+    )  # fmt: skip
+    engine = build_engine(config)  # driven here, not started
+    scheduler, runner = engine.scheduler, engine.runner
+    encoded = []
+    encode = runner.images.encode
+    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
+    inputs = _inputs(engine, random_images(2, seed=30))
+    ids = _prompt(inputs)
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    images = engine.image_processor.locate(ids, inputs)
+    seq = Sequence("p", ids, sampling, 0, 1, images=images)
+    scheduler.add(seq)
+    while seq.status is not SequenceStatus.FINISHED:
+        batch = scheduler.schedule()
+        scheduler.update(batch, runner.run(batch).token_ids)
+        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
+            scheduler._preempt(seq)
+    assert seq.num_preemptions == 1 and encoded == [2]
+    assert seq.output_ids == _hf_greedy(hf_model, ids, inputs)
