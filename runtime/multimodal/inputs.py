@@ -57,6 +57,8 @@ def delimited_spans(
     in a row, each run ending at ``end_id`` (two images may touch); a ValueError when a run does
     not end with ``end_id``."""
     ids = np.asarray(prompt_ids)
+    if ids.size == 0:
+        return []
     member = np.isin(ids, member_ids)
     ends_run = member & ((ids == end_id) | ~np.concatenate([member[1:], [False]]))
     starts_run = member & ~np.concatenate([[False], member[:-1] & ~(ids[:-1] == end_id)])
