@@ -12,7 +12,7 @@ again with them before its state is filled.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -74,6 +74,21 @@ def load(
     model = Decoder(cfg, dtype, frozenset(quantized), packed_head=bool(head))
     values = _fill(cfg, model, host, first_layer, head)
     return ModelWeights(nnx.graphdef(model), nested(values))
+
+
+def load_renamed(
+    rename: Callable[[str], str],
+    cfg: DecoderConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: jnp.dtype,
+    num_tensors: int | None = None,
+    *,
+    rules: Sequence[WeightRule],
+) -> ModelWeights:
+    """``load`` of a checkpoint whose names ``rename`` spells the way ``rules`` read them (a
+    vision-language checkpoint's text model: the encoder's tensors were taken out before)."""
+    named = ((rename(name), value) for name, value in tensors)
+    return load(cfg, named, dtype, num_tensors, rules=rules)
 
 
 def checkpoint_shapes(

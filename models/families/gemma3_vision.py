@@ -8,8 +8,9 @@ Gemma 3's text model, which lets the soft tokens of one image attend to each oth
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jax_llm_runtime.models import checkpoint
-from jax_llm_runtime.models.decoder import DecoderConfig
-from jax_llm_runtime.models.state import ModelWeights
 from jax_llm_runtime.models.vision.encoder import VisionSpec, VisionWeights, load_vision
 from jax_llm_runtime.models.vision.siglip import (
     SiglipConfig,
@@ -28,7 +27,6 @@ from jax_llm_runtime.models.vision.siglip import (
     siglip_checkpoint_names,
     siglip_config_from_hf,
 )
-from jax_llm_runtime.models.weights import WeightRule
 
 VISION_PREFIX = "model.vision_tower.vision_model."
 PROJECTOR_PREFIX = "model.multi_modal_projector."
@@ -52,17 +50,8 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def load_text(
-    cfg: DecoderConfig,
-    tensors: Iterable[tuple[str, Any]],
-    dtype: Any,
-    num_tensors: int | None = None,
-    *,
-    rules: tuple[WeightRule, ...],
-) -> ModelWeights:
-    """The text model of the checkpoint (names made canonical; the encoder's are skipped)."""
-    named = ((canonical_name(name), value) for name, value in tensors)
-    return checkpoint.load(cfg, named, dtype, num_tensors, rules=rules)
+# The text model of the checkpoint (names made canonical; the encoder's are skipped).
+load_text = functools.partial(checkpoint.load_renamed, canonical_name)
 
 
 @dataclass(frozen=True)

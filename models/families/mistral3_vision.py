@@ -13,7 +13,8 @@ so the merger is a reshape of the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jax_llm_runtime.models import checkpoint
-from jax_llm_runtime.models.decoder import DecoderConfig
 from jax_llm_runtime.models.layers.mlp import ACTIVATIONS, check_activation
-from jax_llm_runtime.models.state import ModelWeights
 from jax_llm_runtime.models.vision.encoder import (
     PackedImages,
     VisionSpec,
@@ -39,7 +38,6 @@ from jax_llm_runtime.models.vision.pixtral import (
     pixtral_checkpoint_names,
     pixtral_config_from_hf,
 )
-from jax_llm_runtime.models.weights import WeightRule
 
 VISION_PREFIX = "model.vision_tower."
 PROJECTOR_PREFIX = "model.multi_modal_projector."
@@ -59,17 +57,8 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def load_text(
-    cfg: DecoderConfig,
-    tensors: Iterable[tuple[str, Any]],
-    dtype: Any,
-    num_tensors: int | None = None,
-    *,
-    rules: tuple[WeightRule, ...],
-) -> ModelWeights:
-    """The text model of the checkpoint (names made canonical; the encoder's are skipped)."""
-    named = ((canonical_name(name), value) for name, value in tensors)
-    return checkpoint.load(cfg, named, dtype, num_tensors, rules=rules)
+# The text model of the checkpoint (names made canonical; the encoder's are skipped).
+load_text = functools.partial(checkpoint.load_renamed, canonical_name)
 
 
 @dataclass(frozen=True)

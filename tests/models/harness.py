@@ -180,3 +180,19 @@ def check_model(model: Loaded, hf_model: Any, seed: int = 0) -> None:
     ids = prompts(hf_model.config.vocab_size, seed)
     check_last_logits(model, hf_model, ids)
     assert greedy_paged(model, ids) == [greedy_hf(hf_model, p) for p in ids]
+
+
+def prompt_batch(config: Any, ids: list[int], padded: int, page_size: int) -> tuple[Any, StepBatch]:
+    """A random-filled paged KV cache (five spare pages; unused pages hold noise) and a one-row
+    prefill batch of ``ids`` padded to ``padded`` tokens on shuffled pages."""
+    rng = np.random.default_rng(0)
+    pages = padded // page_size
+    k_shape, v_shape = config.cache_shapes(pages + 5, page_size)
+    cache = KVCache(
+        rng.standard_normal(k_shape, np.float32), rng.standard_normal(v_shape, np.float32)
+    )
+    page_indices = rng.permutation(pages + 5)[:pages][None].astype(np.int32)
+    n = np.asarray([len(ids)])
+    tokens = np.zeros((1, padded), np.int32)
+    tokens[0, : len(ids)] = ids
+    return cache, StepBatch.padded(tokens, np.arange(padded)[None], n, n, page_indices)

@@ -10,12 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.registry import get_model_spec
 from jax_llm_runtime.models.weights import WeightLoadError
-from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from tests.models import gemma3_vision_fixture as fx
+from tests.models.harness import prompt_batch
 
 PAGE_SIZE = 4
 PADDED = 64  # the prompts' rows, padded
@@ -57,17 +56,7 @@ def _our_logits(loaded, ids: list[int], pixels: np.ndarray, both_ways: bool = Tr
     horizons = np.arange(PADDED, dtype=np.int32)
     for start in np.flatnonzero(rows & ~np.roll(rows, 1)):
         horizons[start : start + fx.TOKENS_PER_IMAGE] = start + fx.TOKENS_PER_IMAGE - 1
-    rng = np.random.default_rng(0)
-    pages = PADDED // PAGE_SIZE
-    k_shape, v_shape = config.cache_shapes(pages + 5, PAGE_SIZE)
-    cache = KVCache(
-        rng.standard_normal(k_shape, np.float32), rng.standard_normal(v_shape, np.float32)
-    )
-    page_indices = rng.permutation(pages + 5)[:pages][None].astype(np.int32)
-    n = np.asarray([len(ids)])
-    tokens = np.zeros((1, PADDED), np.int32)
-    tokens[0, : len(ids)] = ids
-    batch = StepBatch.padded(tokens, np.arange(PADDED)[None], n, n, page_indices)
+    cache, batch = prompt_batch(config, ids, PADDED, PAGE_SIZE)
     batch = batch.replace(embeds=embeds, embed_rows=rows, horizons=horizons if both_ways else None)
     logits, _ = _forward(spec)(config, weights, cache, batch)
     return np.asarray(logits)[0]

@@ -6,7 +6,6 @@ refused."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from jax_llm_runtime.runtime.engine.request import SamplingParams
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from tests.models import gemma3_vision_fixture as fx
+from tests.runtime.image_requests import greedy, greedy_together, preprocess
 
 NEW_TOKENS = 8
 PAGE_SIZE = 8
@@ -55,23 +55,14 @@ def _prompt(num_images: int, text: bytes = b"describe:") -> list[int]:
 
 
 def _run(engine, ids: list[int], images: tuple[ImageInput, ...], rid: str):
-    async def go() -> tuple[list[int], int]:
-        out, cached = [], 0
-        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        async for delta in engine.generate(ids, sampling, rid, images):
-            out += delta.token_ids
-            cached = delta.num_cached_tokens
-        return out, cached
-
-    return asyncio.run(go())
+    return greedy(engine, ids, images, rid, NEW_TOKENS)
 
 
 def _hf_greedy(hf_model, ids: list[int], pixels: np.ndarray) -> list[int]:
     return fx.hf_greedy(hf_model, ids, pixels, NEW_TOKENS)
 
 
-def _inputs(engine, images) -> tuple[ImageInput, ...]:
-    return tuple(engine.image_processor.preprocess(image) for image in images)
+_inputs = preprocess
 
 
 def test_greedy_matches_hf_with_chunked_prefill(served) -> None:
@@ -93,18 +84,7 @@ def test_concurrent_prompts_with_images(served) -> None:
     inputs = [_inputs(engine, fx.random_images(n, seed=50 + n)) for n in (1, 2)]
     prompts = [_prompt(1, b"first:"), _prompt(2, b"second, longer:")]
 
-    async def both() -> list[list[int]]:
-        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-        async def one(i: int) -> list[int]:
-            out = []
-            async for delta in engine.generate(prompts[i], sampling, f"both-{i}", inputs[i]):
-                out += delta.token_ids
-            return out
-
-        return list(await asyncio.gather(one(0), one(1)))
-
-    got = asyncio.run(both())
+    got = greedy_together(engine, prompts, inputs, NEW_TOKENS)
     for ids, images, tokens in zip(prompts, inputs, got, strict=True):
         pixels = np.stack([image.pixels for image in images])
         assert tokens == _hf_greedy(hf_model, ids, pixels)

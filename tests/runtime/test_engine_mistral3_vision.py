@@ -8,8 +8,6 @@ image tokens do not match its images is refused."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -17,6 +15,7 @@ from jax_llm_runtime.runtime.engine.request import SamplingParams
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from tests.models import mistral3_vision_fixture as fx
 from tests.models.gemma3_vision_fixture import random_images
+from tests.runtime.image_requests import greedy, greedy_together, preprocess
 
 NEW_TOKENS = 8
 PAGE_SIZE = 8
@@ -47,18 +46,10 @@ def _prompt(images: tuple[ImageInput, ...], text: bytes = b"describe:") -> list[
 
 
 def _run(engine, ids: list[int], images: tuple[ImageInput, ...], rid: str) -> list[int]:
-    async def go() -> list[int]:
-        out = []
-        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        async for delta in engine.generate(ids, sampling, rid, images):
-            out += delta.token_ids
-        return out
-
-    return asyncio.run(go())
+    return greedy(engine, ids, images, rid, NEW_TOKENS)[0]
 
 
-def _inputs(engine, images) -> tuple[ImageInput, ...]:
-    return tuple(engine.image_processor.preprocess(image) for image in images)
+_inputs = preprocess
 
 
 def _hf_greedy(hf_model, ids: list[int], images: tuple[ImageInput, ...]) -> list[int]:
@@ -93,18 +84,7 @@ def test_concurrent_prompts_with_images(served) -> None:
     inputs = [_inputs(engine, random_images(n, seed=50 + n)) for n in (1, 2)]
     prompts = [_prompt(inputs[0], b"first:"), _prompt(inputs[1], b"second, longer:")]
 
-    async def both() -> list[list[int]]:
-        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-        async def one(i: int) -> list[int]:
-            out = []
-            async for delta in engine.generate(prompts[i], sampling, f"both-{i}", inputs[i]):
-                out += delta.token_ids
-            return out
-
-        return list(await asyncio.gather(one(0), one(1)))
-
-    got = asyncio.run(both())
+    got = greedy_together(engine, prompts, inputs, NEW_TOKENS)
     for ids, images, tokens in zip(prompts, inputs, got, strict=True):
         assert tokens == _hf_greedy(hf_model, ids, images)
 
@@ -172,18 +152,10 @@ def test_prefix_cache_keys_include_images(served) -> None:
     assert ids == _prompt(second, b"a longer prefix of text:")  # images of one size
     image_start = ids.index(fx.IMG_ID)
 
-    async def cached(images: tuple[ImageInput, ...], rid: str) -> tuple[list[int], int]:
-        out, count = [], 0
-        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        async for delta in engine.generate(ids, sampling, rid, images):
-            out += delta.token_ids
-            count = delta.num_cached_tokens
-        return out, count
-
-    a, _ = asyncio.run(cached(first, "cache-a"))
-    b, cached_b = asyncio.run(cached(second, "cache-b"))
+    a, _ = greedy(engine, ids, first, "cache-a", NEW_TOKENS)
+    b, cached_b = greedy(engine, ids, second, "cache-b", NEW_TOKENS)
     assert cached_b == image_start // PAGE_SIZE * PAGE_SIZE
-    again, cached_again = asyncio.run(cached(first, "cache-a-again"))
+    again, cached_again = greedy(engine, ids, first, "cache-a-again", NEW_TOKENS)
     assert cached_again > image_start + len(fx.image_sequence(first[0].pixels)) - PAGE_SIZE
     assert again == a and b == _hf_greedy(hf_model, ids, second)
 
