@@ -8,7 +8,8 @@ a "proportional" rope that turns only a fraction of the head's pairs.
 Every layer's heads are held at the widest width and every layer's KV heads at the largest
 count, so that one layer stack and one cache shape serve all layers: the loader pads the
 narrower heads with zeros (``models.layers.attention``) and repeats each of the fewer KV heads
-for the query heads it serves. That costs the narrower layers' padding in memory and flops.
+for the query heads it serves. That costs the narrower layers' padding in memory and flops
+(and, in a quantized checkpoint, float attention projections: padding moves single rows).
 
 With ``enable_moe_block`` (Gemma 4 26B-A4B) every layer runs its dense MLP and a mixture of
 experts side by side (``DecoderConfig.moe_beside_mlp``): the router reads the residual stream,
@@ -35,8 +36,9 @@ from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.layers.rotary import rope_from_hf
 from jax_llm_runtime.models.state import ModelWeights
-from jax_llm_runtime.models.weights import WeightLoadError, WeightRule, nested_rules
+from jax_llm_runtime.models.weights import WeightRule, nested_rules
 from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host, split_out
 
 _LAYER = r"model\.(?:language_model\.)?layers\.(\d+)\."
 # Fields whose value, when set, is a part of Gemma 4 this runtime does not run.
@@ -196,7 +198,7 @@ def _uniform_heads(
         if kind in ("k_proj", "v_proj"):
             repeat = att.num_kv_heads * width // _rows(value)
         if width != att.head_dim or repeat != 1:
-            value = _widen(name, value, kind, width, att.head_dim, repeat)
+            value = _widen(value, kind, width, att.head_dim, repeat)
         yield name, value
         full = not (cfg.sliding_layers and cfg.sliding_layers[layer])
         if kind == "k_proj" and full and att.full_values_from_keys:
@@ -206,18 +208,22 @@ def _uniform_heads(
 def _expert_stacks(name: str, value: Any) -> Iterator[tuple[str, Any]]:
     """A MoE layer's torch-layout expert stacks as ``[experts, in, out]``: the fused
     ``gate_up_proj`` ([experts, 2 * inter, hidden], gate first) cut into ``gate_proj`` and
-    ``up_proj``, and ``down_proj``; any other tensor as it is."""
+    ``up_proj``, and ``down_proj``; any other tensor as it is. A quantized stack (a GGUF
+    file's) is ``[experts, in, out]`` already."""
     kind = _EXPERTS.fullmatch(name)
     if kind is None:
         yield name, value
         return
-    if isinstance(value, HostPacked):
-        raise WeightLoadError(f"checkpoint key {name!r}: a quantized expert stack")
-    stack = np.swapaxes(np.asarray(value), 1, 2)
+    packed = isinstance(value, HostPacked)
+    stack = value if packed else np.swapaxes(np.asarray(value), 1, 2)
     if kind[2] == "down_proj":
         yield name, stack
         return
-    gate, up = np.split(stack, 2, axis=-1)
+    if packed:
+        half = stack.codes.shape[-1] // 2
+        gate, up = split_out(stack, [half, half])
+    else:
+        gate, up = np.split(stack, 2, axis=-1)
     yield name.replace("gate_up_proj", "gate_proj"), gate
     yield name.replace("gate_up_proj", "up_proj"), up
 
@@ -226,12 +232,11 @@ def _rows(value: Any) -> int:
     return value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
 
 
-def _widen(name: str, value: Any, kind: str, width: int, head_dim: int, repeat: int) -> Any:
+def _widen(value: Any, kind: str, width: int, head_dim: int, repeat: int) -> Any:
     if isinstance(value, HostPacked):
-        raise WeightLoadError(
-            f"checkpoint key {name!r}: Gemma 4 heads of different widths or KV-head counts are "
-            "padded at load, which needs float weights, not quantized ones"
-        )
+        # Padding moves single rows, which quantized blocks cannot: a quantized checkpoint's
+        # (a GGUF file's) attention is dequantized, and its fields are float in every layer.
+        value = np.swapaxes(dequantize_host(value), -1, -2)
     value = np.asarray(value)
     if kind == "o_proj":  # [hidden, heads * width]: heads along the input
         return _widened(value.T, width, head_dim).T

@@ -27,8 +27,9 @@ from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
 from jax_llm_runtime.models.state import ModelWeights
-from jax_llm_runtime.models.weights import WeightLoadError, WeightRule
+from jax_llm_runtime.models.weights import WeightRule
 from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
+from jax_llm_runtime.pallas_kernels.dequant_matmul.host import split_out
 
 _LAYER_TYPES = ("chunked_attention", "full_attention")
 
@@ -119,9 +120,11 @@ def _text_tensors(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any
         if _GATE_UP.fullmatch(name) is None:
             yield name, value
             continue
-        if isinstance(value, HostPacked):
-            raise WeightLoadError(f"checkpoint key {name!r}: a quantized fused expert stack")
-        gate, up = np.split(np.asarray(value), 2, axis=-1)
+        if isinstance(value, HostPacked):  # a GGUF file's quantized stacks, [in, out] too
+            half = value.codes.shape[-1] // 2
+            gate, up = split_out(value, [half, half])
+        else:
+            gate, up = np.split(np.asarray(value), 2, axis=-1)
         yield name.replace("gate_up_proj", "gate_proj"), gate
         yield name.replace("gate_up_proj", "up_proj"), up
 

@@ -3,8 +3,8 @@
 GGUF stores a linear weight as rows of output channels, each row a run of blocks along the input
 axis. ``from_gguf`` takes those bytes (``[..., rows, row_bytes]``, leading axes for experts) and
 returns the codes and scales in the ``[..., in, out]`` orientation every linear here uses. The
-decoding follows the block layouts of ggml's ``block_q*`` structs; tests check the result against
-``gguf.quants.dequantize`` bit for bit.
+decoding follows the block layouts of ggml's ``block_q*`` and ``block_mxfp4`` structs; tests check
+the result against ``gguf.quants.dequantize`` bit for bit.
 """
 
 from __future__ import annotations
@@ -156,6 +156,20 @@ DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], dict]] = {
 }
 
 
+def _mxfp4(b: np.ndarray) -> dict:
+    # ggml's block_mxfp4: one E8M0 exponent, then 32 E2M1 codes as 16 bytes (element j in the
+    # low nibble of byte j, element j + 16 in its high nibble). ggml scales its doubled E2M1
+    # table by half the exponent's power of two, the same product as 2 ** (e - 127) * E2M1
+    # (except exponent 255: NaN here, as the OCP format has it; ggml reads it as 2 ** 128).
+    return {"codes": _nibbles(b[:, 1:], 16), "d": b[:, :1], "bits": 4, "codebook": "e2m1"}
+
+
+# The non-affine types: ``formats.CODEBOOKS`` codes with a uint8 E8M0 ``d`` (the reference
+# dequantizer reads them; the Pallas and native kernels read affine codes only).
+CODEBOOK_DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], dict]] = {T.MXFP4: _mxfp4}
+PACKABLE = (*DECODERS, *CODEBOOK_DECODERS)
+
+
 def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
     """Bytes of one GGUF row of ``cols`` values of ``qtype``."""
     block, size = GGML_QUANT_SIZES[qtype]
@@ -170,15 +184,16 @@ def from_gguf(
     cols: int,  # values per row (the input width)
 ) -> HostPacked:  # [..., cols, rows]
     """Decode GGUF block bytes into ``HostPacked`` in the ``[..., in, out]`` orientation."""
-    if qtype not in DECODERS:
+    decoder = DECODERS.get(qtype) or CODEBOOK_DECODERS.get(qtype)
+    if decoder is None:
         raise ValueError(
-            f"{qtype.name} cannot stay packed; supported: {', '.join(t.name for t in DECODERS)}"
+            f"{qtype.name} cannot stay packed; supported: {', '.join(t.name for t in PACKABLE)}"
         )
     *lead, rows, nbytes = raw.shape
     if nbytes != row_bytes(qtype, cols):
         raise ValueError(f"{qtype.name}: {nbytes} bytes per row do not hold {cols} values")
     block, size = GGML_QUANT_SIZES[qtype]
-    parts = DECODERS[qtype](np.ascontiguousarray(raw).reshape(-1, size))
+    parts = decoder(np.ascontiguousarray(raw).reshape(-1, size))
     per_row = cols // block
 
     def orient(a: np.ndarray) -> np.ndarray:  # [n_blocks, g] -> [..., cols // (block // g), rows]
@@ -195,4 +210,5 @@ def from_gguf(
         z=parts.get("z", 0),
         mn=group("mn"),
         m=group("m"),
+        codebook=parts.get("codebook"),
     )

@@ -3,9 +3,11 @@
 The tensor names come from gguf's own ``TensorNameMap`` and the metadata keys from
 ``GGUFWriter.add_*``; the converter's transforms are redone here from its description: the llama
 q/k row interleave, Gemma's ``norm + 1``, experts and StableLM's per-head norms stacked into one
-tensor, DeepSeek's kv_b_proj split into a transposed k_b and a v_b, Llama 3's ``rope_freqs`` and
-Phi-3's longrope factors as tensors. Nothing here reads ``runtime.gguf_*``, so loading the file
-back is an independent round trip.
+tensor, DeepSeek's kv_b_proj split into a transposed k_b and a v_b, gpt-oss's expert stacks
+transposed to rows with gate and up split apart, Gemma 4's proportional rope and Llama 3's rope
+scaling as ``rope_freqs``, Phi-3's longrope factors as tensors, Qwen3-Next's linear
+attention as llama.cpp's ssm_* tensors (Qwen3.5's value heads tiled). Nothing here reads
+``runtime.gguf_*``, so loading the file back is an independent round trip.
 """
 
 from __future__ import annotations
@@ -28,13 +30,19 @@ from tests.models.gguf_writer_metadata import (
     deepseek_metadata,
     gemma2_metadata,
     gemma3_metadata,
+    gemma4_full_layers,
+    gemma4_metadata,
     glm4_metadata,
     glm4_moe_metadata,
+    gpt_oss_metadata,
     head_dim_of,
+    llama4_metadata,
     llama_metadata,
     minimax_m2_metadata,
     moe_metadata,
     phi3_metadata,
+    qwen3next_metadata,
+    qwen35_metadata,
     rope_parameters,
     stablelm_metadata,
     text_metadata,
@@ -43,8 +51,9 @@ from tests.models.gguf_writer_metadata import (
 _SUFFIXES = (".weight", ".bias")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk]_layernorm)\.norms\.(\d+)\.weight")
-# Tensors the converter keeps in float32 whatever the output type.
-_F32_TENSORS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# Tensors the converter keeps in float32 whatever the output type (llama.cpp quantizes weights
+# only, so gpt-oss's [experts, out] biases stay float too).
+_F32_TENSORS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias")
 
 Tensors = dict[str, np.ndarray]
 
@@ -72,8 +81,8 @@ def write_gguf(
     """Convert a float32 HF model (or its on-disk state dict) to GGUF; return the files written.
 
     ``split_into`` writes that many gguf-split shards (``<stem>-00001-of-0000N.gguf`` ...).
-    ``qtype`` ("f32", "f16" or a block type of ``QUANT_TYPES``: "q8_0", "q4k" ...; or a function
-    of the GGUF tensor name giving one) is the type of the matrices; norms, routers and vectors
+    ``qtype`` ("f32", "f16", a block type of ``QUANT_TYPES``: "q8_0", "q4k" ..., or "mxfp4"; or
+    a function of the GGUF tensor name giving one) is the type of the matrices; norms, routers and vectors
     stay float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``; ``split_kv_b=False``
     writes DeepSeek's older single ``attn_kv_b``. No tokenizer is written.
     """
@@ -130,6 +139,9 @@ def _gguf_names(arch: _Arch, tensors: Tensors, hp: dict[str, Any]) -> Tensors:
     name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp["num_hidden_layers"])
     out = {}
     for name, array in tensors.items():
+        if name.startswith("blk."):  # named by the tensor step already
+            out[name] = array
+            continue
         if name.endswith("e_score_correction_bias"):
             name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         new = name_map.get_name(name, try_suffixes=_SUFFIXES)
@@ -157,6 +169,10 @@ def _add_tensor(
     kind = qtype(name) if callable(qtype) else qtype
     if kind == "f32" or array.ndim < 2 or name.endswith(_F32_TENSORS):
         writer.add_tensor(name, array)
+        return
+    if kind == "mxfp4":  # llama.cpp's own MXFP4 quantizer, which gguf.quants mirrors
+        mxfp4 = gguf.GGMLQuantizationType.MXFP4
+        writer.add_tensor(name, gguf.quants.quantize(array, mxfp4), raw_dtype=mxfp4)
         return
     block_type = QUANT_TYPES.get(kind)
     # Rows that do not split into the type's blocks: the converter falls back to F16.
@@ -268,6 +284,141 @@ def _deepseek_tensors(state: Tensors, hp: dict[str, Any], split_kv_b: bool = Tru
     return out
 
 
+def _gpt_oss_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    """gpt-oss's ``[experts, in, out]`` stacks as ggml rows ``[experts, out, in]``, the
+    interleaved gate and up columns split into two stacks (and their biases likewise); the
+    sinks get a ``.weight`` name."""
+    out = {}
+    for name, array in state.items():
+        stem = name.rsplit(".", 1)[0] + "."
+        if name.endswith("self_attn.sinks"):
+            out[name + ".weight"] = array
+        elif name.endswith("experts.gate_up_proj"):
+            rows = np.swapaxes(array, -1, -2)
+            out[stem + "gate_proj.weight"] = rows[:, ::2]
+            out[stem + "up_proj.weight"] = rows[:, 1::2]
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[stem + "gate_proj.bias"] = array[:, ::2]
+            out[stem + "up_proj.bias"] = array[:, 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = np.swapaxes(array, -1, -2)
+        elif name.endswith("experts.down_proj_bias"):
+            out[stem + "down_proj.bias"] = array
+        else:
+            out[name] = array
+    return out
+
+
+def _llama4_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    """Llama 4's ``[experts, in, out]`` stacks as ggml rows, the fused gate and up (gate
+    first) split in two."""
+    out = {}
+    for name, array in state.items():
+        stem = name.rsplit(".", 1)[0] + "."
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(np.swapaxes(array, -1, -2), 2, axis=-2)
+            out[stem + "gate_proj.weight"], out[stem + "up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = np.swapaxes(array, -1, -2)
+        else:
+            out[name] = array
+    return out
+
+
+def _qwen3next_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    """Qwen3-Next: experts stacked; the linear attention's A_log as -exp(A_log), dt_bias as
+    dt_proj.bias, the conv kernel squeezed, in_proj_qkvz (per key head: q, k, v, z) as attn_qkv
+    (all q, all k, all v) and attn_gate; every other norm as 1 + w; the MTP head left out."""
+    k_heads, k_dim = hp["linear_num_key_heads"], hp["linear_key_head_dim"]
+    out = {}
+    for name, array in _stack_experts(state).items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.startswith("mtp."):
+            continue
+        if name.endswith("in_proj_qkvz.weight"):
+            heads = array.reshape(k_heads, -1, array.shape[-1])
+            v_width = (heads.shape[1] - 2 * k_dim) // 2
+            q, k, v, z = np.split(heads, np.cumsum([k_dim, k_dim, v_width]), axis=1)
+            rows = [part.reshape(-1, array.shape[-1]) for part in (q, k, v)]
+            out[f"blk.{layer}.attn_qkv.weight"] = np.concatenate(rows)
+            out[f"blk.{layer}.attn_gate.weight"] = z.reshape(-1, array.shape[-1])
+        elif name.endswith(".A_log"):
+            out[name] = -np.exp(array)
+        elif name.endswith(".dt_bias"):
+            out[name.replace("dt_bias", "dt_proj.bias")] = array
+        elif name.endswith("conv1d.weight"):
+            out[name] = array[:, 0, :]
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            out[name] = array + np.float32(1.0)
+        else:
+            out[name] = array
+    return out
+
+
+def _tile_v_heads(
+    array: np.ndarray, offset: int, k_heads: int, head_dim: int, axis: int = 0
+) -> np.ndarray:
+    """Qwen3.5's value heads (after ``offset`` along ``axis``) from grouped by key head to
+    tiled: one of each group, then the next one of each."""
+    moved = np.moveaxis(array, axis, 0)
+    head, tail = moved[:offset], moved[offset:]
+    rest = tail.shape[1:]
+    tail = tail.reshape(k_heads, -1, head_dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(np.concatenate([head, tail]), 0, axis)
+
+
+def _qwen35_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    """Qwen3.5: Qwen3-Next's steps on separate projections (in_proj_qkv, _z, _b, _a), every
+    tensor's value heads tiled when there are more of them than key heads."""
+    k_heads, k_dim = hp["linear_num_key_heads"], hp["linear_key_head_dim"]
+    v_dim = hp["linear_value_head_dim"]
+    tiled = k_heads != hp["linear_num_value_heads"]
+    places = {  # name ending -> (offset, head width, axis) of its value heads
+        "in_proj_qkv.weight": (2 * k_heads * k_dim, v_dim, 0),
+        "in_proj_z.weight": (0, v_dim, 0),
+        "in_proj_b.weight": (0, 1, 0),
+        "in_proj_a.weight": (0, 1, 0),
+        ".A_log": (0, 1, 0),
+        ".dt_bias": (0, 1, 0),
+        "conv1d.weight": (2 * k_heads * k_dim, v_dim, 0),
+        "out_proj.weight": (0, v_dim, 1),
+    }
+    out = {}
+    for name, array in state.items():
+        place = next((p for end, p in places.items() if name.endswith(end)), None)
+        if tiled and "linear_attn." in name and place is not None:
+            array = _tile_v_heads(array, place[0], k_heads, place[1], place[2])
+        out[name] = array
+    return _qwen3next_tensors(out, hp)
+
+
+def _gemma4_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
+    """Gemma 4: the layer scalar and the expert stacks get a ``.weight`` name; the router's
+    two scales go to llama.cpp's names for them (no HF name maps there)."""
+    out = {}
+    for name, array in state.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("router.scale"):
+            out[f"blk.{layer}.ffn_gate_inp.scale"] = array
+        elif name.endswith("router.per_expert_scale"):
+            out[f"blk.{layer}.ffn_down_exps.scale"] = array
+        elif name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            out[name + ".weight"] = array
+        else:
+            out[name] = array
+    return out
+
+
+def _gemma4_rope_freqs(hp: dict[str, Any]) -> Tensors:
+    """The full layers' proportional rope as ggml's rope can run it: a factor of 1 for each
+    turned pair of dims, 1e30 (a zero frequency) for the rest."""
+    width, _ = gemma4_full_layers(hp)
+    full, _ = rope_parameters(hp)
+    turned = int(width * full.get("partial_rotary_factor", 1.0) / 2)
+    factors = np.float32([1.0] * turned + [1e30] * (width // 2 - turned))
+    return {gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight": factors}
+
+
 def _llama3_rope_freqs(hp: dict[str, Any]) -> Tensors:
     full, _ = rope_parameters(hp)
     if full.get("rope_type") != "llama3":
@@ -316,6 +467,12 @@ _ARCHS = {
         _A.GLM4_MOE, glm4_moe_metadata, _moe_tensors, _glm4_moe_nextn_layers
     ),
     "MiniMaxM2ForCausalLM": _Arch(_A.MINIMAXM2, minimax_m2_metadata, _mixtral_experts),
+    "GptOssForCausalLM": _Arch(_A.GPT_OSS, gpt_oss_metadata, _gpt_oss_tensors),
+    "Llama4ForCausalLM": _Arch(_A.LLAMA4, llama4_metadata, _llama4_tensors, _llama3_rope_freqs),
+    "Qwen3NextForCausalLM": _Arch(_A.QWEN3NEXT, qwen3next_metadata, _qwen3next_tensors),
+    "Qwen3_5ForCausalLM": _Arch(_A.QWEN35, qwen35_metadata, _qwen35_tensors),
+    "Qwen3_5MoeForCausalLM": _Arch(_A.QWEN35MOE, qwen35_metadata, _qwen35_tensors),
+    "Gemma4ForCausalLM": _Arch(_A.GEMMA4, gemma4_metadata, _gemma4_tensors, _gemma4_rope_freqs),
     "DeepseekV2ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
     "DeepseekV3ForCausalLM": _Arch(_A.DEEPSEEK2, deepseek_metadata, _deepseek_tensors),
     # llama.cpp converts GLM-4-MoE-lite as a DeepSeek V2/V3 model.

@@ -204,3 +204,91 @@ def minimax_m2_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     text_metadata(w, hp)
     w.add_expert_feed_forward_length(hp["intermediate_size"])
     w.add_rope_dimension_count(hp.get("rotary_dim") or _rotary_dims(hp))
+
+
+def gpt_oss_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    text_metadata(w, hp)
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+
+
+def gemma4_full_layers(hp: dict[str, Any]) -> tuple[int, int]:
+    """(head_dim, KV heads) of Gemma 4's full layers: transformers keeps them in
+    ``per_layer_config`` (keyed by layer, int or str), released configs as ``global_head_dim``
+    and ``num_global_key_value_heads``."""
+    full = hp["layer_types"].index("full_attention")
+    overrides = hp.get("per_layer_config") or {}
+    layer = overrides.get(full) or overrides.get(str(full)) or {}
+    global_kv = hp.get("num_global_key_value_heads") if hp.get("attention_k_eq_v") else None
+    return (
+        layer.get("head_dim", hp.get("global_head_dim", hp["head_dim"])),
+        layer.get("num_key_value_heads", global_kv or hp["num_key_value_heads"]),
+    )
+
+
+def gemma4_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """The converter's Gemma 4 step over Gemma 3's: per-layer sliding flags and KV-head counts,
+    the full layers' head width as key_length (the sliding ones' as key_length_swa)."""
+    sliding = [kind == "sliding_attention" for kind in hp["layer_types"]]
+    full_dim, full_kv = gemma4_full_layers(hp)
+    full, local = rope_parameters(hp)
+    text_metadata(w, {**hp, "rope_parameters": full, "head_dim": None, "num_key_value_heads": None})
+    kv = hp["num_key_value_heads"]
+    w.add_head_count_kv([kv if flag else full_kv for flag in sliding] if full_kv != kv else kv)
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_sliding_window_pattern(sliding)
+    w.add_shared_kv_layers(hp.get("num_kv_shared_layers") or 0)
+    w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(hp["head_dim"])
+    w.add_value_length_swa(hp["head_dim"])
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(int(hp["head_dim"] * local.get("partial_rotary_factor", 1.0)))
+    if hp.get("enable_moe_block"):
+        w.add_expert_used_count(hp["top_k_experts"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+
+
+def llama4_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Llama's, with HF's two feed-forward sizes swapped (the dense one is feed_forward_length)
+    and a sliding window of 0 for a model whose layers all attend to everything."""
+    llama_metadata(w, {**hp, "intermediate_size": hp["intermediate_size_mlp"]})
+    w.add_interleave_moe_layer_step(hp["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    kinds = hp.get("layer_types")
+    if kinds and all(kind == "full_attention" for kind in kinds):
+        w.add_sliding_window(0)
+
+
+def qwen3next_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Qwen2-MoE's keys and the Gated DeltaNet sizes as llama.cpp's ssm.* keys."""
+    moe_metadata(w, hp)
+    _gated_delta_net_metadata(w, hp)
+
+
+def qwen35_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Qwen3-Next's keys (Qwen2-MoE's only with experts) and the multimodal rope's sections,
+    transformers' default ones where the config names none."""
+    if hp.get("num_experts"):
+        moe_metadata(w, hp)
+    else:
+        text_metadata(w, hp)
+    _gated_delta_net_metadata(w, hp)
+    full, _ = rope_parameters(hp)
+    w.add_rope_dimension_sections([*full.get("mrope_section", [11, 11, 10]), 0])
+
+
+def _gated_delta_net_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(hp["linear_key_head_dim"])
+    w.add_ssm_group_count(hp["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+    w.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    # transformers keeps the interval only as the layer_types it makes of it.
+    interval = hp.get("full_attention_interval") or hp["layer_types"].index("full_attention") + 1
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(_rotary_dims(hp))

@@ -38,3 +38,54 @@ def test_quantized_gguf_runs_like_its_dequantized_weights(tmp_path: Path) -> Non
     state = {name: torch.from_numpy(array) for name, array in checkpoint.tensors()}
     hf_model.load_state_dict(state, strict=False)
     check_model(load_checkpoint(checkpoint), hf_model)
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path: Path) -> None:
+    """gpt-oss with MXFP4 expert stacks (llama.cpp's MXFP4_MOE files): the experts load packed
+    in the E2M1 codebook form, and our model on them runs like HF on gguf's dequantization."""
+    import torch
+
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+
+    hf_model = _random_model(CASES["gpt_oss"]())
+    files = write_gguf(
+        hf_model,
+        hf_model.config,
+        tmp_path / "model.gguf",
+        qtype=lambda name: "mxfp4" if name.endswith("_exps.weight") else "f32",
+    )
+    checkpoint = load_gguf_checkpoint(files[0])
+    state = {name: torch.from_numpy(array) for name, array in checkpoint.tensors()}
+    assert not hf_model.load_state_dict(state, strict=False).unexpected_keys
+    model = load_checkpoint(checkpoint)
+    layers = model.weights.model(model.config).segments[0].layers
+    for stack in (layers.ffn.e_gate, layers.ffn.e_up, layers.ffn.e_down):
+        value = stack.kernel.get_value()
+        assert isinstance(value, PackedWeight) and value.codebook == "e2m1", type(value)
+    check_model(model, hf_model)
+
+
+@pytest.mark.parametrize("case", ["gemma4_moe", "llama4"])
+def test_quantized_fused_expert_stacks(case: str, tmp_path: Path) -> None:
+    """Q8_0 files of models whose HF expert stacks hold gate and up in one (Gemma 4's
+    ``[experts, 2 * inter, hidden]``, Llama 4's ``[experts, hidden, 2 * inter]``): the stacks
+    stay packed and are cut in two packed (Gemma 4's narrower heads are dequantized to be
+    padded); our model runs like HF on the dequantized tensors."""
+    import torch
+
+    from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedWeight
+
+    hf_model = _random_model(CASES[case]())
+    files = write_gguf(hf_model, hf_model.config, tmp_path / "model.gguf", qtype="q8_0")
+    checkpoint = load_gguf_checkpoint(files[0])
+    state = {name: torch.from_numpy(array) for name, array in checkpoint.tensors()}
+    assert not hf_model.load_state_dict(state, strict=False).unexpected_keys
+    model = load_checkpoint(checkpoint)
+    stacks = [
+        segment[field]
+        for segment in model.weights["segments"]
+        for field in ("e_gate", "e_up", "e_down")
+        if field in segment
+    ]
+    assert stacks and all(isinstance(stack, PackedWeight) for stack in stacks)
+    check_model(model, hf_model)

@@ -89,6 +89,28 @@ def test_reference_dequantize_is_bit_exact_with_gguf(qtype):
         np.testing.assert_array_equal(np.asarray(reference.dequantize(w)), expected)
 
 
+def test_mxfp4_blocks_are_bit_exact_with_gguf():
+    """GGUF MXFP4 blocks (gpt-oss's experts in llama.cpp's files) through ``from_gguf``: random
+    codes under every exponent, one exponent per output row, against gguf's dequantization, on
+    the host (exponents 0..254) and the device (3..254: XLA:CPU flushes the subnormal products
+    of 0..2). Values compare equal (ggml's code 8 is +0.0, the E2M1 table's -0.0); exponent 255
+    is NaN, the OCP format's reading, where ggml reads a scale of 2 ** 128."""
+    from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host
+
+    rows, cols = 256, 96
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(rows, dtype=np.uint8)[:, None]
+    raw = raw.reshape(rows, -1)
+    packed = from_gguf(raw, T.MXFP4, cols)
+    assert packed.codebook == "e2m1" and packed.codes.shape == (cols, rows)
+    expected = quants.dequantize(raw, T.MXFP4).astype(np.float32).T  # gguf: [out, in]
+    host = dequantize_host(packed)
+    device = np.asarray(reference.dequantize(packed.to_device()))
+    np.testing.assert_array_equal(host[:, :255], expected[:, :255])
+    np.testing.assert_array_equal(device[:, 3:255], expected[:, 3:255])
+    assert np.isnan(host[:, 255]).all() and np.isnan(device[:, 255]).all()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_matches_reference(qtype):
     # Token counts 1, 3 and 17 select the three tuning buckets' block shapes in turn.

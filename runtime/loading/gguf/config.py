@@ -20,7 +20,7 @@ import numpy as np
 from jax_llm_runtime.runtime.loading.gguf.reader import GGUFError, short_repr
 
 if TYPE_CHECKING:
-    from jax_llm_runtime.runtime.loading.gguf.archs import ArchSpec
+    from jax_llm_runtime.runtime.loading.gguf.spec import ArchSpec
 
 # Small tensors that are configuration, not weights: read at header time, never yielded.
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -221,11 +221,13 @@ def _longrope(model: GGUFModel) -> dict[str, Any]:
     }
 
 
-def _has_qkv_bias(model: GGUFModel) -> bool:
+def has_qkv_bias(model: GGUFModel) -> bool:
+    """Whether the file's attention has q/k/v biases (separate or fused)."""
     return bool({"attn_q.bias", "attn_qkv.bias"} & model.layer_tensors)
 
 
-def _rotary_fraction(config: dict[str, Any], model: GGUFModel) -> float:
+def rotary_fraction(config: dict[str, Any], model: GGUFModel) -> float:
+    """The rotated fraction of each head (``rope.dimension_count`` over ``head_dim``)."""
     # The converter stores the rotated width; llama.cpp rotates the whole head when it is absent.
     return model.get_int("rope.dimension_count", config["head_dim"]) / config["head_dim"]
 
@@ -242,18 +244,18 @@ def finish_llama(config: dict[str, Any], model: GGUFModel) -> None:
     config.pop("num_local_experts", None)
     config.pop("num_experts_per_tok", None)
     config.pop("moe_intermediate_size", None)
-    config["attention_bias"] = _has_qkv_bias(model)
+    config["attention_bias"] = has_qkv_bias(model)
     config["mlp_bias"] = "ffn_gate.bias" in model.layer_tensors
 
 
 def finish_qwen3(config: dict[str, Any], model: GGUFModel) -> None:
     """Qwen3 and Qwen3-MoE: biases are optional in HF and absent in the released models."""
-    config["attention_bias"] = _has_qkv_bias(model)
+    config["attention_bias"] = has_qkv_bias(model)
 
 
 def finish_phi3(config: dict[str, Any], model: GGUFModel) -> None:
     """Phi-3: partial rotary (Phi-4-mini), and sliding window 0 meaning none."""
-    config["partial_rotary_factor"] = _rotary_fraction(config, model)
+    config["partial_rotary_factor"] = rotary_fraction(config, model)
     if not config.get("sliding_window"):
         config["sliding_window"] = None
 
@@ -278,11 +280,13 @@ def _finish_gemma(config: dict[str, Any], model: GGUFModel, default_period: int 
     config["query_pre_attn_scalar"] = config["hidden_size"] // heads if big else config["head_dim"]
     config["layer_types"] = [
         "sliding_attention" if sliding else "full_attention"
-        for sliding in _sliding_layers(model, layers, default_period)
+        for sliding in sliding_layers(model, layers, default_period)
     ]
 
 
-def _sliding_layers(model: GGUFModel, layers: int, period: int | None) -> list[bool]:
+def sliding_layers(model: GGUFModel, layers: int, period: int | None) -> list[bool]:
+    """Which layers use the sliding window: the file's per-layer flags or period, else
+    ``period`` (None: none)."""
     if period is None:
         return [False] * layers
     key = "attention.sliding_window_pattern"
@@ -302,16 +306,16 @@ def _sliding_layers(model: GGUFModel, layers: int, period: int | None) -> list[b
 def finish_stablelm(config: dict[str, Any], model: GGUFModel) -> None:
     """StableLM: partial rotary; biases, per-head q/k norms and the parallel residual are read off
     the tensors, as llama.cpp does (a parallel-residual layer has no ffn_norm)."""
-    config["partial_rotary_factor"] = _rotary_fraction(config, model)
-    config["use_qkv_bias"] = _has_qkv_bias(model)
+    config["partial_rotary_factor"] = rotary_fraction(config, model)
+    config["use_qkv_bias"] = has_qkv_bias(model)
     config["qk_layernorm"] = "attn_q_norm.weight" in model.layer_tensors
     config["use_parallel_residual"] = "ffn_norm.weight" not in model.layer_tensors
 
 
 def finish_glm4(config: dict[str, Any], model: GGUFModel) -> None:
     """GLM-4: partial rotary (half the head) and optional q/k/v biases."""
-    config["partial_rotary_factor"] = _rotary_fraction(config, model)
-    config["attention_bias"] = _has_qkv_bias(model)
+    config["partial_rotary_factor"] = rotary_fraction(config, model)
+    config["attention_bias"] = has_qkv_bias(model)
 
 
 def finish_deepseek2(config: dict[str, Any], model: GGUFModel) -> None:
@@ -364,8 +368,8 @@ def finish_glm4_moe(config: dict[str, Any], model: GGUFModel) -> None:
     the converter counts its next-token-prediction layers in block_count, so they are taken
     back out (their tensors are skipped: ``tensors.plan_tensors``)."""
     _check_sigmoid_gating(model)
-    config["partial_rotary_factor"] = _rotary_fraction(config, model)
-    config["attention_bias"] = _has_qkv_bias(model)
+    config["partial_rotary_factor"] = rotary_fraction(config, model)
+    config["attention_bias"] = has_qkv_bias(model)
     config["use_qk_norm"] = "attn_q_norm.weight" in model.layer_tensors
     nextn = config.get("num_nextn_predict_layers", 0)
     if not 0 <= nextn < config["num_hidden_layers"]:

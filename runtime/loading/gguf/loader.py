@@ -24,7 +24,11 @@ from typing import Any
 import numpy as np
 
 from jax_llm_runtime.pallas_kernels.dequant_matmul import HostPacked
-from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import DECODERS, from_gguf
+from jax_llm_runtime.pallas_kernels.dequant_matmul.gguf_blocks import (
+    CODEBOOK_DECODERS,
+    PACKABLE,
+    from_gguf,
+)
 from jax_llm_runtime.runtime.loading.gguf.archs import ARCHS
 from jax_llm_runtime.runtime.loading.gguf.config import CONFIG_TENSORS, GGUFModel, build_config
 from jax_llm_runtime.runtime.loading.gguf.reader import (
@@ -199,16 +203,26 @@ def _stream(
             if path not in files:
                 files[path] = np.memmap(path, dtype=np.uint8, mode="r")
             sources.append((files[path], info))
-        qtypes = {info.qtype for _, info in sources}
-        packable = rule.rows_only and len(qtypes) == 1 and qtypes <= DECODERS.keys()
-        # Packing needs rows of output channels; a vector (kept F32 by llama.cpp's converter, so
-        # only an odd file quantizes one) is dequantized instead.
-        if packed and packable and all(len(info.shape) >= 2 for _, info in sources):
-            (qtype,) = qtypes
-            cols = sources[0][1].shape[-1]
+        if packed and _packable(rule, [info for _, info in sources]):
+            qtype, cols = sources[0][1].qtype, sources[0][1].shape[-1]
             arrays = rule.convert([raw_rows(data, info) for data, info in sources])
             for out, raw in zip(rule.outputs, arrays, strict=True):
                 yield out, from_gguf(raw, qtype, cols)
             continue
-        arrays = [dequantize_tensor(data, info) for data, info in sources]
-        yield from zip(rule.outputs, rule.convert(arrays), strict=True)
+        arrays = rule.convert([dequantize_tensor(data, info) for data, info in sources])
+        if rule.in_out:
+            arrays = [np.ascontiguousarray(np.swapaxes(a, -1, -2)) for a in arrays]
+        yield from zip(rule.outputs, arrays, strict=True)
+
+
+def _packable(rule: TensorRule, infos: list[GGUFTensorInfo]) -> bool:
+    """Whether ``rule``'s sources stay packed: one packable type, rows of output channels (a
+    vector, kept F32 by llama.cpp's converter so that only an odd file quantizes one, is
+    dequantized), and a conversion that only moves rows. MXFP4 stays packed in expert stacks
+    only, what llama.cpp's MXFP4 files hold: the MoE layers read it through the reference
+    dequantizer, while the dense projections' kernels read affine codes only."""
+    qtypes = {info.qtype for info in infos}
+    if not rule.rows_only or len(qtypes) != 1 or not qtypes <= set(PACKABLE):
+        return False
+    min_dims = 3 if qtypes <= CODEBOOK_DECODERS.keys() else 2
+    return all(len(info.shape) >= min_dims for info in infos)

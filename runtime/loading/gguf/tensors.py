@@ -8,7 +8,10 @@ llama.cpp's converter did to them:
 - the q/k row interleave of ``llama`` files, and Gemma's ``norm + 1``;
 - stacked tensors split back into one tensor per expert (or per head, StableLM's q/k norms);
 - a fused ``attn_qkv`` (``--fuse-qkv``) split back into q/k/v where HF keeps them apart;
-- DeepSeek's ``attn_k_b`` (transposed per head) and ``attn_v_b`` joined into ``kv_b_proj``.
+- DeepSeek's ``attn_k_b`` (transposed per head) and ``attn_v_b`` joined into ``kv_b_proj``;
+- gpt-oss's and Llama 4's expert gate and up stacks joined into ``gate_up_proj`` (gpt-oss's
+  interleaved), and their expert stacks yielded in HF's ``[experts, in, out]`` orientation;
+- the Gated DeltaNet tensors of Qwen3-Next and Qwen3.5 (``gated_delta_net``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_llm_runtime.runtime.loading.gguf.archs import ArchSpec
 from jax_llm_runtime.runtime.loading.gguf.config import CONFIG_TENSORS, GGUFModel
+from jax_llm_runtime.runtime.loading.gguf.gated_delta_net import gated_delta_net_ops, join_qkvz
 from jax_llm_runtime.runtime.loading.gguf.reader import GGUFError
+from jax_llm_runtime.runtime.loading.gguf.spec import ArchSpec, Join
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 # Older converters squeezed HF's [1, hidden] shared-expert gate to [hidden].
@@ -40,6 +44,9 @@ class TensorRule:
     convert: Callable[[list[np.ndarray]], list[np.ndarray]]
     # The conversion only reorders, splits or unstacks rows, so it works on block bytes too.
     rows_only: bool = True
+    # The HF tensors are ``[..., in, out]``: float outputs are transposed after ``convert``
+    # (packed ones are ``[..., in, out]`` already).
+    in_out: bool = False
 
 
 def plan_tensors(
@@ -95,11 +102,12 @@ def _rule(spec: ArchSpec, config: dict[str, Any], model: GGUFModel, name: str) -
         )
     prefix = f"model.layers.{layer}."
     stem, suffix = _split_suffix(rest)
+    if (join := _join_of(spec, rest)) is not None:
+        return _joined(spec, model, f"blk.{layer}.", prefix, *join)
+    if spec.joined_qkvz and stem in ("attn_qkv", "attn_gate"):
+        return _merge_qkvz(config, model, f"blk.{layer}.", prefix)
     if (hf := _lookup(spec.layer_tensors, rest)) is not None:
-        ops = _qk_ops(spec, config, name, stem, model.shapes[name][0])
-        if stem in _ROW_VECTORS and len(model.shapes[name]) == 1:
-            ops = (*ops, _as_row)
-        return _single(spec, name, prefix + hf, ops)
+        return _table_rule(spec, config, model, name, stem, prefix, hf)
     if stem in spec.stacked_tensors:
         template, count_key = spec.stacked_tensors[stem]
         return _stacked(name, prefix + template + suffix, config.get(count_key), count_key, model)
@@ -110,15 +118,65 @@ def _rule(spec: ArchSpec, config: dict[str, Any], model: GGUFModel, name: str) -
     raise _unmapped(name, model.arch)
 
 
+def _table_rule(
+    spec: ArchSpec,
+    config: dict[str, Any],
+    model: GGUFModel,
+    name: str,
+    stem: str,
+    prefix: str,
+    hf: str,  # the HF name after ``prefix``
+) -> TensorRule:
+    """A layer tensor the table names: renamed, with what its architecture's converter did to
+    it undone."""
+    ops = _qk_ops(spec, config, name, stem, model.shapes[name][0])
+    if stem in _ROW_VECTORS and len(model.shapes[name]) == 1:
+        ops = (*ops, _as_row)
+    if spec.gated_delta_net:
+        gdn, rows_only = gated_delta_net_ops(spec, config, name, stem, model.shapes[name])
+        if gdn:
+            return TensorRule((name,), (prefix + hf,), partial(_apply, (*ops, *gdn)), rows_only)
+    return _single(spec, name, prefix + hf, ops, in_out=hf in spec.in_out)
+
+
 def _unmapped(name: str, arch: str) -> GGUFError:
     return GGUFError(f"GGUF tensor {name!r} has no mapping for architecture {arch!r}")
 
 
-def _single(spec: ArchSpec, name: str, hf: str, ops: tuple[_Op, ...]) -> TensorRule:
-    if spec.norm_shift and hf.endswith("norm.weight"):
+def _single(
+    spec: ArchSpec, name: str, hf: str, ops: tuple[_Op, ...], in_out: bool = False
+) -> TensorRule:
+    if spec.norm_shift and hf.endswith("norm.weight") and not hf.endswith(spec.unshifted_norms):
         ops = (*ops, partial(_shift, by=-spec.norm_shift))
         return TensorRule((name,), (hf,), partial(_apply, ops), rows_only=False)
-    return TensorRule((name,), (hf,), partial(_apply, ops))
+    return TensorRule((name,), (hf,), partial(_apply, ops), in_out=in_out)
+
+
+def _join_of(spec: ArchSpec, rest: str) -> tuple[str, Join] | None:
+    """(first GGUF name, its ``Join``) when ``rest`` is either half of a joined tensor."""
+    for first, join in spec.joined_tensors.items():
+        if rest in (first, join.second):
+            return first, join
+    return None
+
+
+def _joined(
+    spec: ArchSpec, model: GGUFModel, blk: str, prefix: str, first: str, join: Join
+) -> TensorRule:
+    names = (blk + first, blk + join.second)
+    shapes = [model.shapes.get(n) for n in names]
+    if shapes[0] is None or shapes[0] != shapes[1]:
+        raise GGUFError(
+            f"GGUF tensors {names[0]!r} and {names[1]!r} must come together with one shape, "
+            f"have {shapes[0]} and {shapes[1]}"
+        )
+    return TensorRule(
+        names,
+        (prefix + join.hf,),
+        partial(_join, axis=join.axis, interleave=join.interleave),
+        rows_only=join.axis == -2,  # whole rows of blocks move; a bias's values do not
+        in_out=join.hf in spec.in_out,
+    )
 
 
 def _qk_ops(
@@ -189,6 +247,22 @@ def _merge_kv_b(config: dict[str, Any], model: GGUFModel, blk: str, prefix: str)
     )
 
 
+def _merge_qkvz(config: dict[str, Any], model: GGUFModel, blk: str, prefix: str) -> TensorRule:
+    qkv, z = f"{blk}attn_qkv.weight", f"{blk}attn_gate.weight"
+    k_heads, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    v_width = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    hidden = config["hidden_size"]
+    expected = {qkv: (2 * k_heads * k_dim + v_width, hidden), z: (v_width, hidden)}
+    for name, shape in expected.items():
+        if model.shapes.get(name) != shape:
+            raise GGUFError(
+                f"GGUF tensor {name!r} has shape {model.shapes.get(name)}, expected {shape} "
+                "(attn_qkv and attn_gate must come together)"
+            )
+    convert = partial(join_qkvz, k_heads=k_heads, k_dim=k_dim)
+    return TensorRule((qkv, z), (prefix + "linear_attn.in_proj_qkvz.weight",), convert)
+
+
 def _apply(ops: tuple[_Op, ...], arrays: list[np.ndarray]) -> list[np.ndarray]:
     (array,) = arrays
     for op in ops:
@@ -219,6 +293,20 @@ def _split_rows(
         _apply(part_ops, [np.ascontiguousarray(p)])[0]
         for p, part_ops in zip(parts, ops, strict=True)
     ]
+
+
+def _join(
+    arrays: list[np.ndarray],  # two [..., n, ...] arrays of one shape
+    axis: int,
+    interleave: bool,
+) -> list[np.ndarray]:  # [[..., 2 * n, ...]]
+    """The second array after the first along ``axis``, or with ``interleave`` their slices
+    alternating (first[0], second[0], first[1], ...)."""
+    if not interleave:
+        return [np.concatenate(arrays, axis=axis)]
+    shape = list(arrays[0].shape)
+    shape[axis] *= 2
+    return [np.ascontiguousarray(np.stack(arrays, axis=axis).reshape(shape))]
 
 
 def _join_kv_b(
