@@ -77,13 +77,15 @@ def write_gguf(
     qtype: str | Callable[[str], str] = "f32",
     fuse_qkv: bool = False,
     split_kv_b: bool = True,
+    fuse_gate_up_exps: bool = False,
 ) -> list[Path]:
     """Convert a float32 HF model (or its on-disk state dict) to GGUF; return the files written.
 
     ``split_into`` writes that many gguf-split shards (``<stem>-00001-of-0000N.gguf`` ...).
     ``qtype`` ("f32", "f16", a block type of ``QUANT_TYPES``: "q8_0", "q4k" ..., or "mxfp4"; or
     a function of the GGUF tensor name giving one) is the type of the matrices; norms, routers and vectors
-    stay float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``; ``split_kv_b=False``
+    stay float32 as the converter keeps them. ``fuse_qkv`` mimics ``--fuse-qkv``,
+    ``fuse_gate_up_exps`` ``--fuse-gate-up-exps`` (gate rows then up rows in one stack); ``split_kv_b=False``
     writes DeepSeek's older single ``attn_kv_b``. No tokenizer is written.
     """
     hp = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
@@ -102,6 +104,8 @@ def write_gguf(
     tensors = {**arch.extra(hp), **_gguf_names(arch, arch.tensors(state, hp), hp)}
     if fuse_qkv:
         tensors = _fuse_qkv(tensors)
+    if fuse_gate_up_exps:
+        tensors = _fuse_gate_up_exps(tensors)
     per_shard = math.ceil(len(tensors) / split_into) if split_into else 0
     writer = gguf.GGUFWriter(
         path, gguf.MODEL_ARCH_NAMES[arch.gguf_arch], split_max_tensors=per_shard
@@ -158,6 +162,20 @@ def _fuse_qkv(tensors: Tensors) -> Tensors:
             parts = [tensors[f"{match[1]}attn_{x}{match[2]}"] for x in "qkv"]
             out[f"{match[1]}attn_qkv{match[2]}"] = np.concatenate(parts, axis=0)
         elif not re.fullmatch(r"blk\.\d+\.attn_[kv](\.weight|\.bias)", name):
+            out[name] = array
+    return out
+
+
+def _fuse_gate_up_exps(tensors: Tensors) -> Tensors:
+    """Each layer's gate and up expert stacks as one: gate rows then up rows (biases: gate
+    values then up values)."""
+    out = {}
+    for name, array in tensors.items():
+        if match := re.fullmatch(r"(blk\.\d+\.)ffn_gate_exps(\.weight|\.bias)", name):
+            up = tensors[f"{match[1]}ffn_up_exps{match[2]}"]
+            axis = -2 if match[2] == ".weight" else -1
+            out[f"{match[1]}ffn_gate_up_exps{match[2]}"] = np.concatenate([array, up], axis=axis)
+        elif not re.fullmatch(r"blk\.\d+\.ffn_up_exps(\.weight|\.bias)", name):
             out[name] = array
     return out
 

@@ -365,6 +365,13 @@ def test_fused_qkv_is_split(tmp_path: Path) -> None:
     _round_trip(CASES["llama"](), tmp_path, fuse_qkv=True)
 
 
+@pytest.mark.parametrize("case", ["gpt_oss", "llama4"])
+def test_fused_gate_up_experts(case: str, tmp_path: Path) -> None:
+    """``--fuse-gate-up-exps`` files (one stack of gate rows then up rows) load as HF's fused
+    stacks (gpt-oss's interleaved)."""
+    _round_trip(CASES[case](), tmp_path, fuse_gate_up_exps=True)
+
+
 def test_squeezed_shared_expert_gate(tmp_path: Path) -> None:
     """Older converters squeezed Qwen2-MoE's [1, hidden] shared-expert gate to [hidden]."""
     model = _random_model(CASES["qwen2moe"]())

@@ -1,9 +1,9 @@
 """The tables of the architectures that joined llama.cpp after the ones in ``archs``: gpt-oss,
-Gemma 4, Llama 4 and Qwen3-Next (see ``archs`` for what a table says; their ``finish`` steps
+Gemma 4, Llama 4, Qwen3-Next and Qwen3.5 (see ``archs`` for what a table says; their ``finish`` steps
 are in ``config_recent``). gpt-oss's and Llama 4's expert stacks are ``[experts, in, out]``
 with gate and up in one tensor, which ggml keeps as two stacks of rows (``joined_tensors``,
-``in_out``); Qwen3-Next's linear attention is rewritten by its converter
-(``gated_delta_net``).
+``in_out``); the converters of Qwen3-Next and Qwen3.5 rewrite their linear attention's
+tensors (``gated_delta_net``).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ _QWEN35_REQUIRED = (
     "ssm.time_step_rank",
     "ssm.inner_size",
 )
-# llama.cpp renormalizes the top-k routing weights of both, as their released configs do.
+# The released MoE configs renormalize the top-k routing weights; the converter writes no key.
 _QWEN35_DEFAULTS = {
     "hidden_act": "silu",
     **ROPE_DEFAULTS,
@@ -166,6 +166,12 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
             "ffn_gate_exps.bias": Join(
                 "ffn_up_exps.bias", _GPT_OSS_EXPERTS + "gate_up_proj_bias", -1, interleave=True
             ),
+            "ffn_gate_up_exps.weight": Join(
+                None, _GPT_OSS_EXPERTS + "gate_up_proj", interleave=True
+            ),
+            "ffn_gate_up_exps.bias": Join(
+                None, _GPT_OSS_EXPERTS + "gate_up_proj_bias", -1, interleave=True
+            ),
         },
         in_out=frozenset({_GPT_OSS_EXPERTS + "gate_up_proj", _GPT_OSS_EXPERTS + "down_proj"}),
         finish=finish_gpt_oss,
@@ -213,6 +219,8 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
             "ffn_down": _LLAMA4_FFN + "down_proj",
             "ffn_gate_inp": _LLAMA4_FFN + "router",
             "ffn_down_exps.weight": _LLAMA4_FFN + "experts.down_proj",
+            # --fuse-gate-up-exps files: gate rows, then up rows, as HF has them.
+            "ffn_gate_up_exps.weight": _LLAMA4_FFN + "experts.gate_up_proj",
             "ffn_gate_shexp": _LLAMA4_FFN + "shared_expert.gate_proj",
             "ffn_up_shexp": _LLAMA4_FFN + "shared_expert.up_proj",
             "ffn_down_shexp": _LLAMA4_FFN + "shared_expert.down_proj",

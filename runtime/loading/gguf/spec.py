@@ -16,9 +16,10 @@ from jax_llm_runtime.runtime.loading.gguf.config import GGUFModel, finish_nothin
 class Join:
     """One HF tensor made of two GGUF tensors: ``second`` (a full name after ``blk.N.``) after
     the first, or, with ``interleave``, alternating with it one slice at a time along ``axis``
-    (-2: rows of output channels; -1: the values of a bias)."""
+    (-2: rows of output channels; -1: the values of a bias). ``second`` None: the first tensor
+    holds both halves, one after the other along ``axis`` (``--fuse-gate-up-exps`` files)."""
 
-    second: str
+    second: str | None
     hf: str  # the HF name after ``model.layers.N.``
     axis: int = -2
     interleave: bool = False

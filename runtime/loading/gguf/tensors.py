@@ -163,17 +163,25 @@ def _join_of(spec: ArchSpec, rest: str) -> tuple[str, Join] | None:
 def _joined(
     spec: ArchSpec, model: GGUFModel, blk: str, prefix: str, first: str, join: Join
 ) -> TensorRule:
-    names = (blk + first, blk + join.second)
-    shapes = [model.shapes.get(n) for n in names]
-    if shapes[0] is None or shapes[0] != shapes[1]:
-        raise GGUFError(
-            f"GGUF tensors {names[0]!r} and {names[1]!r} must come together with one shape, "
-            f"have {shapes[0]} and {shapes[1]}"
-        )
+    if join.second is None:
+        names: tuple[str, ...] = (blk + first,)
+        shape = model.shapes[names[0]]
+        if len(shape) < -join.axis or shape[join.axis] % 2:
+            raise GGUFError(f"GGUF tensor {names[0]!r} of shape {shape} has no two halves")
+        convert = partial(_join_halves, axis=join.axis, interleave=join.interleave)
+    else:
+        names = (blk + first, blk + join.second)
+        shapes = [model.shapes.get(n) for n in names]
+        if shapes[0] is None or shapes[0] != shapes[1]:
+            raise GGUFError(
+                f"GGUF tensors {names[0]!r} and {names[1]!r} must come together with one "
+                f"shape, have {shapes[0]} and {shapes[1]}"
+            )
+        convert = partial(_join, axis=join.axis, interleave=join.interleave)
     return TensorRule(
         names,
         (prefix + join.hf,),
-        partial(_join, axis=join.axis, interleave=join.interleave),
+        convert,
         rows_only=join.axis == -2,  # whole rows of blocks move; a bias's values do not
         in_out=join.hf in spec.in_out,
     )
@@ -307,6 +315,11 @@ def _join(
     shape = list(arrays[0].shape)
     shape[axis] *= 2
     return [np.ascontiguousarray(np.stack(arrays, axis=axis).reshape(shape))]
+
+
+def _join_halves(arrays: list[np.ndarray], axis: int, interleave: bool) -> list[np.ndarray]:
+    """``_join`` of the two halves of one array along ``axis``."""
+    return _join(np.split(arrays[0], 2, axis=axis), axis, interleave)
 
 
 def _join_kv_b(
