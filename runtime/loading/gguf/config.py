@@ -4,7 +4,8 @@ llama.cpp's converter writes ``<arch>.*`` keys from the HF config, leaves out wh
 hard-codes (Gemma's sliding-window pattern, Qwen3-MoE's renormalized routing) and moves some
 settings into tensors (Llama 3 rope factors, Phi-3 longrope factors). ``build_config`` maps keys
 through the architecture's table (``gguf_archs``); the ``finish_*`` steps put back what the
-converter left out, with the values llama.cpp itself assumes when it runs the file.
+converter left out, with the values llama.cpp itself assumes when it runs the file (those of
+the architectures in ``archs_recent`` are in ``config_recent``).
 """
 
 from __future__ import annotations

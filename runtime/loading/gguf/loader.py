@@ -11,7 +11,7 @@
    time, HF-named, HF-shaped (``[out_features, in_features]`` for linear weights) and HF-ordered.
    ``tensors(packed=True)`` yields each quantized tensor whose conversion only moves rows as a
    ``HostPacked`` instead (``[in_features, out_features]``): its block bytes go through the same
-   row operations and are re-laid out, never dequantized.
+   row operations and are re-laid out, never dequantized (MXFP4: expert stacks only).
 """
 
 from __future__ import annotations
