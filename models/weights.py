@@ -33,7 +33,8 @@ class WeightRule:
     With ``per_layer``, the pattern's groups are indices into the field's leading axes in order
     (layer, then e.g. expert). ``transpose`` turns a torch ``[out, in]`` linear weight into our
     ``[in, out]``. A tuple of fields splits a fused checkpoint tensor (``qkv_proj``,
-    ``gate_up_proj``) along its torch output axis into pieces sized by the fields' shapes; with
+    ``gate_up_proj``, a convolution's channels) along its torch output axis, its first, into
+    pieces sized by the fields' shapes; with
     ``interleaved`` the tensor is ``[..., in, out]`` already (biases ``[..., out]``) and its
     output columns alternate between the fields (gpt-oss's experts: gate, up, gate, up, ...).
     A rule with ``field=None`` marks names that are deliberately ignored (e.g. cached rope tables).
@@ -220,7 +221,10 @@ def _split(
     output widths; an interleaved one into every n-th output column."""
     if rule.interleaved:
         return _split_interleaved(key, rule, value, host)
-    sizes = [host[f].shape[-1] if rule.transpose else host[f].shape[-2] for f in rule.fields]
+    # The output axis of each field: its last if transposed, else the one the tensor's first
+    # axis fills (a linear weight's [out, in], a convolution's [channels, 1, kernel]).
+    back = -1 if rule.transpose else (-2 if isinstance(value, HostPacked) else -value.ndim)
+    sizes = [host[f].shape[back] for f in rule.fields]
     rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
     if rows != sum(sizes):
         raise WeightLoadError(

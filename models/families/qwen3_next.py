@@ -114,8 +114,11 @@ def qwen3_5_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
 
 
 _LINEAR = LAYER + r"linear_attn\."
+# The convolution's channels (q, then k, then v) and Qwen3.5's in_proj_qkv are cut into q, k
+# and v fields, which split over a tensor-parallel mesh by heads (models.layers.linear_attention).
+_QKV = ("q", "k", "v")
 _LINEAR_COMMON = (
-    WeightRule(_LINEAR + r"conv1d\.weight", "la_conv", per_layer=True),
+    WeightRule(_LINEAR + r"conv1d\.weight", tuple(f"la_conv_{n}" for n in _QKV), per_layer=True),
     WeightRule(_LINEAR + r"dt_bias", "la_dt_bias", per_layer=True),
     WeightRule(_LINEAR + r"A_log", "la_a_log", per_layer=True),
     WeightRule(_LINEAR + r"norm\.weight", "la_norm", per_layer=True),
@@ -126,9 +129,17 @@ _FUSED_LINEAR = (
     WeightRule(_LINEAR + r"in_proj_qkvz\.weight", "la_qkvz", transpose=True, per_layer=True),
     WeightRule(_LINEAR + r"in_proj_ba\.weight", "la_ba", transpose=True, per_layer=True),
 )
-_SPLIT_LINEAR = tuple(
-    WeightRule(_LINEAR + rf"in_proj_{name}\.weight", f"la_{name}", transpose=True, per_layer=True)
-    for name in ("qkv", "z", "b", "a")
+_SPLIT_LINEAR = (
+    WeightRule(
+        _LINEAR + r"in_proj_qkv\.weight",
+        tuple(f"la_{n}" for n in _QKV),
+        transpose=True,
+        per_layer=True,
+    ),
+    *(
+        WeightRule(_LINEAR + rf"in_proj_{n}\.weight", f"la_{n}", transpose=True, per_layer=True)
+        for n in ("z", "b", "a")
+    ),
 )
 QWEN3_NEXT_WEIGHT_RULES = (*QWEN_MOE_WEIGHT_RULES, *_LINEAR_COMMON, *_FUSED_LINEAR)
 QWEN3_5_MOE_WEIGHT_RULES = (*QWEN_MOE_WEIGHT_RULES, *_LINEAR_COMMON, *_SPLIT_LINEAR)

@@ -8,6 +8,16 @@ each head's output (RMS, times ``norm``) gated by silu(z); and projects out. Qwe
 checkpoint fuses the projections per key head (``in_proj_qkvz``, ``in_proj_ba``:
 ``fused_projections``); Qwen3.5's keeps four.
 
+The convolution's channels are in *head-major* order: per key head its q, its k, then its
+group's v channels (``head_major``). Qwen3-Next's fused projections give that order per key head
+already; Qwen3.5's ``in_proj_qkv`` and both checkpoints' ``conv1d`` (q, then k, then v) are cut
+into q, k and v fields at load. So every weight and state of the layer splits over a
+tensor-parallel mesh in contiguous blocks of whole key heads with their value heads
+(``LINEAR_HEADS``, as vLLM splits Qwen3-Next: the projections column-parallel, the convolution
+and the state slots along their heads, the output projection row-parallel), and the layer runs
+on each device's heads with one all-reduce, after the output projection. The key heads must
+divide by the tensor-parallel size (``runtime.parallel.sharding``).
+
 Instead of K/V pages such a layer keeps a fixed-size state per sequence: the last
 ``conv_kernel - 1`` convolution inputs and the ``[v_heads, k_head_dim, v_head_dim]`` recurrent
 state. ``HybridCache`` holds them for every linear-attention layer in *state slots* beside the
@@ -32,15 +42,22 @@ from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers import gated_delta_rule as gdr
 from jax_llm_runtime.models.layers.linear import Linear, projection
 from jax_llm_runtime.models.layers.norms import row_mean
-from jax_llm_runtime.models.layers.params import EMBED, Block, declare, layer_axes
+from jax_llm_runtime.models.layers.params import (
+    EMBED,
+    LAYERS,
+    LINEAR_HEADS,
+    Block,
+    declare,
+    layer_axes,
+)
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
-# The logical axis of linear-attention heads' features. It is not split over a device mesh:
-# tensor parallelism is refused for these models (runtime.loading.builder).
-LINEAR_HEADS = "linear_heads"
 # The projections ``--isq`` (or a quantized checkpoint) may pack; b and a, one column per value
 # head, stay in the model dtype.
-LINEAR_ATTENTION_QUANTIZED = ("la_qkvz", "la_qkv", "la_z", "la_out")
+LINEAR_ATTENTION_QUANTIZED = ("la_qkvz", "la_q", "la_k", "la_v", "la_z", "la_out")
+# Logical axes of ``HybridCache.conv`` and ``.recurrent``: each device keeps its heads' states.
+CONV_STATE_AXES = (LAYERS, "state_slots", "conv_kernel", LINEAR_HEADS)
+RECURRENT_STATE_AXES = (LAYERS, "state_slots", LINEAR_HEADS, "k_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,7 @@ class LinearAttentionConfig:
 
     @property
     def conv_dim(self) -> int:
-        """Channels of the convolution: q, k and v."""
+        """Channels of the convolution: q, k and v (in head-major order: ``head_major``)."""
         return 2 * self.key_dim + self.value_dim
 
     def state_shapes(self, num_layers: int, num_slots: int) -> tuple[tuple[int, ...], ...]:
@@ -99,7 +116,7 @@ class HybridCache:
     layers; donated to every step and returned updated, like a ``KVCache``."""
 
     kv: KVCache
-    conv: jax.Array  # [linear_layers, num_slots, conv_kernel - 1, conv_dim]
+    conv: jax.Array  # [linear_layers, num_slots, conv_kernel - 1, conv_dim] head-major
     recurrent: jax.Array  # [linear_layers, num_slots, v_heads, k_head_dim, v_head_dim] float32
 
     @property
@@ -123,7 +140,7 @@ class HybridCache:
 class SlotState:
     """The states of a batch of sequences in one layer."""
 
-    conv: jax.Array  # [num_seqs, conv_kernel - 1, conv_dim]
+    conv: jax.Array  # [num_seqs, conv_kernel - 1, conv_dim] head-major
     recurrent: jax.Array  # [num_seqs, v_heads, k_head_dim, v_head_dim] float32
 
 
@@ -131,7 +148,7 @@ class SlotState:
 class Projected:
     """A layer's input projections, q/k/v channels before the convolution."""
 
-    qkv: jax.Array  # [..., conv_dim]
+    qkv: jax.Array  # [..., conv_dim] head-major
     z: jax.Array  # [..., v_heads, v_head_dim]
     b: jax.Array  # [..., v_heads]
     a: jax.Array  # [..., v_heads]
@@ -156,17 +173,22 @@ class GatedDeltaNet(Block):
             return projection(lead, *features, dtype, field, None, quantized)
 
         heads, r = cfg.num_v_heads, cfg.num_v_heads // cfg.num_k_heads
-        if cfg.fused_projections:
+        if cfg.fused_projections:  # per key head: its q, k, v group, z group (then b's, a's)
             per_key = 2 * cfg.k_head_dim + 2 * r * cfg.v_head_dim
             self.in_qkvz = proj(cfg.num_k_heads * per_key, "la_qkvz")
             self.in_ba = proj(2 * heads, "la_ba")
-        else:
-            self.in_qkv = proj(cfg.conv_dim, "la_qkv")
-            self.in_z, self.in_b = proj(cfg.value_dim, "la_z"), proj(heads, "la_b")
-            self.in_a = proj(heads, "la_a")
-        # The checkpoint's depthwise Conv1d weight, [channels, 1, kernel].
-        conv = (*lead, cfg.conv_dim, 1, cfg.conv_kernel), (*stack, LINEAR_HEADS, None, None)
-        self.conv = declare(conv[0], dtype, conv[1], "la_conv")
+        else:  # in_proj_qkv cut into its q, k and v at load (the module docstring)
+            self.in_q, self.in_k = proj(cfg.key_dim, "la_q"), proj(cfg.key_dim, "la_k")
+            self.in_v, self.in_z = proj(cfg.value_dim, "la_v"), proj(cfg.value_dim, "la_z")
+            self.in_b, self.in_a = proj(heads, "la_b"), proj(heads, "la_a")
+        # The checkpoint's depthwise Conv1d weight, [channels, 1, kernel], cut into the q, k
+        # and v channels.
+        conv_axes = (*stack, LINEAR_HEADS, None, None)
+        widths = (("q", cfg.key_dim), ("k", cfg.key_dim), ("v", cfg.value_dim))
+        self.conv_q, self.conv_k, self.conv_v = (
+            declare((*lead, n, 1, cfg.conv_kernel), dtype, conv_axes, f"la_conv_{name}")
+            for name, n in widths
+        )
         self.dt_bias = declare((*lead, heads), dtype, (*stack, LINEAR_HEADS), "la_dt_bias")
         self.a_log = declare((*lead, heads), dtype, (*stack, LINEAR_HEADS), "la_a_log")
         self.norm = declare((*lead, cfg.v_head_dim), dtype, (*stack, None), "la_norm")
@@ -196,22 +218,41 @@ class GatedDeltaNet(Block):
         return mix(self, x, valid, lengths, state)[0]
 
 
+def head_major(
+    q: jax.Array,  # [..., num_k_heads * k_head_dim]
+    k: jax.Array,  # [..., num_k_heads * k_head_dim]
+    v: jax.Array,  # [..., num_k_heads * group * v_head_dim]
+    num_k_heads: int,
+) -> jax.Array:  # [..., conv_dim]
+    """q, k and v channels in head-major order: per key head its q, its k, then its group's v
+    (a block of whole heads is then a contiguous run of channels)."""
+    lead = q.shape[:-1]
+    per_head = [t.reshape(*lead, num_k_heads, -1) for t in (q, k, v)]
+    return jnp.concatenate(per_head, axis=-1).reshape(*lead, -1)
+
+
+def conv_weight(layer: GatedDeltaNet) -> jax.Array:  # [conv_dim, kernel] head-major
+    """The convolution's weight over the head-major channels."""
+    parts = (layer.conv_q, layer.conv_k, layer.conv_v)
+    q, k, v = (jnp.swapaxes(w.get_value()[..., 0, :], -1, -2) for w in parts)  # [kernel, ch]
+    return jnp.swapaxes(head_major(q, k, v, layer.cfg.num_k_heads), -1, -2)
+
+
 def project(layer: GatedDeltaNet, x: jax.Array) -> Projected:  # x [..., hidden]
     """The input projections in one layout whichever checkpoint layout the layer has."""
     cfg, lead = layer.cfg, x.shape[:-1]
     nv, dk, dv = cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim
     if not cfg.fused_projections:
+        qkv = head_major(layer.in_q(x), layer.in_k(x), layer.in_v(x), cfg.num_k_heads)
         z = layer.in_z(x).reshape(*lead, nv, dv)
-        return Projected(layer.in_qkv(x), z, layer.in_b(x), layer.in_a(x))
+        return Projected(qkv, z, layer.in_b(x), layer.in_a(x))
     # Per key head: q, k, then its group's v heads and z heads (and b's, then a's).
     r = nv // cfg.num_k_heads
     qkvz = layer.in_qkvz(x).reshape(*lead, cfg.num_k_heads, -1)
-    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-    v, z = qkvz[..., 2 * dk : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
-    flat = [t.reshape(*lead, -1) for t in (q, k, v)]
+    qkv, z = qkvz[..., : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
     ba = layer.in_ba(x).reshape(*lead, cfg.num_k_heads, 2 * r)
     b, a = ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
-    return Projected(jnp.concatenate(flat, axis=-1), z.reshape(*lead, nv, dv), b, a)
+    return Projected(qkv.reshape(*lead, -1), z.reshape(*lead, nv, dv), b, a)
 
 
 def mix(
@@ -226,12 +267,11 @@ def mix(
     cfg = layer.cfg
     p = project(layer, x)
     qkv = jnp.where(valid[..., None], p.qkv, 0)
-    conv_weight = layer.conv.get_value()[..., 0, :]  # [conv_dim, kernel]
-    mixed, conv_state = gdr.causal_conv(qkv, state.conv, conv_weight, lengths)
-    kd, lead = cfg.key_dim, mixed.shape[:-1]
-    q = mixed[..., :kd].reshape(*lead, cfg.num_k_heads, cfg.k_head_dim)
-    k = mixed[..., kd : 2 * kd].reshape(*lead, cfg.num_k_heads, cfg.k_head_dim)
-    v = mixed[..., 2 * kd :].reshape(*lead, cfg.num_v_heads, cfg.v_head_dim)
+    mixed, conv_state = gdr.causal_conv(qkv, state.conv, conv_weight(layer), lengths)
+    dk, lead = cfg.k_head_dim, mixed.shape[:-1]
+    per_head = mixed.reshape(*lead, cfg.num_k_heads, -1)
+    q, k = per_head[..., :dk], per_head[..., dk : 2 * dk]
+    v = per_head[..., 2 * dk :].reshape(*lead, cfg.num_v_heads, cfg.v_head_dim)
     q, k = gdr.normed_queries_keys(q, k, cfg.num_v_heads)
     keep = valid[..., None].astype(jnp.float32)
     beta = jax.nn.sigmoid(p.b.astype(jnp.float32)) * keep

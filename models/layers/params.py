@@ -37,6 +37,9 @@ HEADS = "heads"  # attention heads (times their head_dim), split: each device at
 KV_HEADS = "kv_heads"  # KV heads (times head_dim), split with the heads they serve
 FFN = "mlp"  # an MLP's (or shared expert's) intermediate features, split
 EXPERTS = "experts"  # routed experts, split with expert parallelism
+# Linear-attention heads' features (Gated DeltaNet), split in blocks of whole key heads with
+# their value heads, as vLLM splits Qwen3-Next (``models.layers.linear_attention``).
+LINEAR_HEADS = "linear_heads"
 EXPERT_MLP = "expert_mlp"  # a routed expert's intermediate features (its expert is whole)
 LATENT = "latent"  # MLA's low-rank query and KV latents, read by every head
 HEAD_DIM = "head_dim"  # features of one head

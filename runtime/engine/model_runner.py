@@ -101,8 +101,11 @@ class ModelRunner:
             donate_argnums=(2,),
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
-        self._fill = jax.jit(_fill_pages, donate_argnums=(0,))
-        self._copy_slots = jax.jit(_copy_state_slots, donate_argnums=(0,))
+        # These keep the cache's sharding too, so the compiled steps take what they return.
+        fill = functools.partial(_keeping, _fill_pages, cache_sharding)
+        self._fill = jax.jit(fill, donate_argnums=(0,))
+        copy_slots = functools.partial(_keeping, _copy_state_slots, cache_sharding)
+        self._copy_slots = jax.jit(copy_slots, donate_argnums=(0,))
         # The grammar bitmask of batches without a constrained sequence, per batch bucket, kept
         # on the device (see _allowed); device_put traces nothing, so nothing compiles here.
         self._all_allowed = {
@@ -341,6 +344,12 @@ def _copy_state_slots(
         conv=cache.conv.at[:, destinations].set(cache.conv[:, sources]),
         recurrent=cache.recurrent.at[:, destinations].set(cache.recurrent[:, sources]),
     )
+
+
+def _keeping(update: Any, sharding: Any, cache: KVCache | HybridCache, *args: Any) -> Any:
+    """``update(cache, *args)``, the cache it returns kept in ``sharding`` (None: off a mesh)."""
+    cache = update(cache, *args)
+    return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
 
 def _constrained(

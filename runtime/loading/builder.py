@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,6 +47,7 @@ from jax_llm_runtime.runtime.parallel.kv_heads import kv_replicas, replicate_kv_
 from jax_llm_runtime.runtime.parallel.sharding import (
     build_mesh,
     cache_sharding,
+    check_linear_divisible,
     shard_weights,
 )
 from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
@@ -153,11 +154,9 @@ def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[Mo
     ``isq``, expert offload, native kernels and matmul operands applied. Raises ValueError (an
     unsupported architecture, a malformed config)."""
     spec, model_config = model_config_from_hf(hf_config)
-    if has_state_slots(model_config) and config.tensor_parallel_size > 1:
-        raise ValueError(
-            "--tensor-parallel-size > 1 is not supported for models with linear-attention layers "
-            "(Qwen3-Next, Qwen3.5); use 1 (or --data-parallel-size)"
-        )
+    check_linear_divisible(
+        getattr(model_config, "linear_attention", None), config.tensor_parallel_size
+    )
     if config.isq is not None:
         model_config = dataclasses.replace(model_config, quantization=config.isq)
     model_config = with_expert_offload(model_config, config)
@@ -204,11 +203,9 @@ def _build_replica(
     )
     cache_mb = _cache_mb(config, mesh, devices) - _state_mb(config, model_config, dtype)
     num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb)
-    k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
-    cache_shardings = None
-    abstract_cache = _abstract_cache(k_shape, kv_dtype, v_shape)
-    if mesh is not None:
-        cache_shardings = cache_sharding(abstract_cache, mesh)
+    make_cache = _cache_maker(config, model_config, (kv_dtype, dtype), num_pages)
+    abstract_cache = jax.eval_shape(make_cache)
+    cache_shardings = None if mesh is None else cache_sharding(abstract_cache, mesh)
     mixed = mixed_steps(model_config, abstract_cache, dtype)
     images = None
     if model.vision is not None:
@@ -219,9 +216,7 @@ def _build_replica(
         spec,
         model_config,
         weights,
-        _with_state_slots(
-            _zero_cache(k_shape, kv_dtype, v_shape, cache_shardings), model_config, config, dtype
-        ),
+        _zero_cache(make_cache, cache_shardings),
         plan,
         eos_token_ids=tokenizer.eos_token_ids,
         decode_steps=decode_steps,
@@ -354,14 +349,22 @@ def _state_mb(config: EngineConfig, model_config: Any, dtype: Any) -> int:
     return mb
 
 
-def _with_state_slots(
-    kv: KVCache, model_config: Any, config: EngineConfig, dtype: Any
-) -> KVCache | HybridCache:
-    """The KV cache, with a linear-attention model's zeroed state slots beside it."""
-    if not has_state_slots(model_config):
-        return kv
-    cfg = model_config.linear_attention
-    return HybridCache.zeros(kv, cfg, model_config.num_linear_layers, config.max_num_seqs, dtype)
+def _cache_maker(
+    config: EngineConfig, model_config: Any, dtypes: tuple[Any, Any], num_pages: int
+) -> Callable[[], KVCache | HybridCache]:
+    """What makes the zeroed KV cache of ``num_pages`` pages (``dtypes``: the cache's and the
+    model's), with a linear-attention model's zeroed state slots beside it."""
+    kv_dtype, dtype = dtypes
+    k_shape, v_shape = model_config.cache_shapes(num_pages, config.page_size)
+
+    def make() -> KVCache | HybridCache:
+        kv = KVCache.zeros(k_shape, kv_dtype, v_shape)
+        if not has_state_slots(model_config):
+            return kv
+        cfg, layers = model_config.linear_attention, model_config.num_linear_layers
+        return HybridCache.zeros(kv, cfg, layers, config.max_num_seqs, dtype)
+
+    return make
 
 
 def place_on_mesh(
@@ -432,7 +435,7 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
 
 
 def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
-    """Whether a step mixes decode rows with prefill chunks of several sequences: where the
+    """Whether a step (over the abstract ``cache``, a ``KVCache`` or ``HybridCache``) mixes decode rows with prefill chunks of several sequences: where the
     ragged attention runs on its native CPU kernel. Elsewhere (a device mesh, accelerators,
     MLA's absorbed attention, attention sinks) the ragged contract has only its jnp reference,
     which reads each row's whole page table, so a step is one kind of work and the two kinds
@@ -442,7 +445,8 @@ def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
     else:
         q = jax.ShapeDtypeStruct((2, 1, model_config.head_dim), dtype)
         sinks = model_config.attention.sinks
-        chosen = ragged_implementation("auto", q, cache.k, cache.v, 2, native_ok=True, sinks=sinks)
+        kv = cache.kv if isinstance(cache, HybridCache) else cache
+        chosen = ragged_implementation("auto", q, kv.k, kv.v, 2, native_ok=True, sinks=sinks)
         choice = chosen == "native"
     logger.info(
         "steps: %s",
@@ -479,14 +483,9 @@ def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:
     return choice
 
 
-def _abstract_cache(k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...]) -> Any:
-    return jax.eval_shape(lambda: KVCache.zeros(k_shape, dtype, v_shape))
-
-
-def _zero_cache(
-    k_shape: tuple[int, ...], dtype: Any, v_shape: tuple[int, ...], shardings: Any
-) -> KVCache:
-    """A zeroed cache; sharded, each device allocates only its own KV heads."""
+def _zero_cache(make: Callable[[], KVCache | HybridCache], shardings: Any) -> KVCache | HybridCache:
+    """A zeroed cache; sharded, each device allocates only its own KV heads (and state slots'
+    heads)."""
     if shardings is None:
-        return KVCache.zeros(k_shape, dtype, v_shape)
-    return jax.jit(lambda: KVCache.zeros(k_shape, dtype, v_shape), out_shardings=shardings)()
+        return make()
+    return jax.jit(make, out_shardings=shardings)()

@@ -64,8 +64,9 @@ from jax_llm_runtime.runtime.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 # Bumped whenever what a prepared checkpoint holds, or how, changes: an older one is refused.
 # 2: the weights are the split NNX model (its state and declaration); 3: routed expert stacks
-# are ``ExpertLinear`` modules, so their arrays sit one level down (``e_gate/kernel``).
-LAYOUT_VERSION = 3
+# are ``ExpertLinear`` modules, so their arrays sit one level down (``e_gate/kernel``); 4: the
+# linear attention's convolution (and Qwen3.5's in_proj_qkv) are q, k and v fields.
+LAYOUT_VERSION = 4
 WEIGHTS, TOKENIZER, CONFIG = "weights", "tokenizer", "config.json"
 CHAT_TEMPLATE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
 # The EngineConfig fields the stored arrays depend on (dtype and isq are checked on their own).

@@ -17,6 +17,13 @@ the projections whose input is split) from them. What the model's declarations g
 - multi-head latent attention by heads: the per-head query projection and ``wkv_b`` by their
   head columns, ``wo`` along its input; the low-rank projections and their norms stay whole, so
   each device attends with its own heads over the whole latent cache;
+- Gated DeltaNet (linear attention: Qwen3-Next, Qwen3.5) in blocks of whole key heads with
+  their value heads, as vLLM splits it: its input projections column-parallel, the short
+  convolution's channels, the per-head decay parameters and the state slots (the convolution's
+  last inputs and the recurrent state, ``HybridCache``) along their heads, the output
+  projection row-parallel; the layer runs on each device's heads with no communication before
+  the all-reduce after its output projection. Its key heads must divide by the mesh size
+  (``check_linear_divisible``);
 - with expert parallelism, the routed experts' stacks over their expert axis, so each device
   keeps its share of the experts whole. Offloaded experts' stacks split the same way and stay in
   the pinned host memory of their devices (``models.layers.expert_offload``).
@@ -24,9 +31,9 @@ the projections whose input is split) from them. What the model's declarations g
 Quantized values split along the same logical axes: every array of a ``PackedWeight`` (codes
 and group scales together; an axis of size 1, a per-matrix zero, stays whole), an int8 weight's
 per-column scales (which lack the input axis) with its columns. An axis that does not divide by
-the mesh size stays whole (a vocabulary of 32001: the step stays correct). Attention heads, and
-outside MLA the KV heads, must divide by the tensor-parallel size (a clear error at startup), so
-that every device holds whole heads.
+the mesh size stays whole (a vocabulary of 32001: the step stays correct). Attention heads, outside MLA the KV
+heads, and linear-attention key heads must divide by the tensor-parallel size (a clear error
+at startup), so that every device holds whole heads.
 """
 
 from __future__ import annotations
@@ -40,12 +47,25 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_llm_runtime.models.decoder import KV_CACHE_AXES
-from jax_llm_runtime.models.layers.params import EXPERTS, FFN, HEADS, KV_HEADS, VOCAB
+from jax_llm_runtime.models.layers.linear_attention import (
+    CONV_STATE_AXES,
+    RECURRENT_STATE_AXES,
+    HybridCache,
+    LinearAttentionConfig,
+)
+from jax_llm_runtime.models.layers.params import (
+    EXPERTS,
+    FFN,
+    HEADS,
+    KV_HEADS,
+    LINEAR_HEADS,
+    VOCAB,
+)
 from jax_llm_runtime.models.state import ModelWeights, nested
 
 AXIS = "tp"
 # Logical axis -> mesh axis; every logical axis not named stays whole.
-LOGICAL_RULES = {VOCAB: AXIS, HEADS: AXIS, KV_HEADS: AXIS, FFN: AXIS}
+LOGICAL_RULES = {VOCAB: AXIS, HEADS: AXIS, KV_HEADS: AXIS, FFN: AXIS, LINEAR_HEADS: AXIS}
 
 
 def logical_rules(expert_parallel: bool) -> dict[str, str]:
@@ -108,6 +128,18 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) 
         )
 
 
+def check_linear_divisible(cfg: LinearAttentionConfig | None, size: int) -> None:
+    """Refuse linear-attention layers whose key heads do not divide by ``size`` devices: each
+    device must hold whole key heads with their value heads (their channels are laid out head
+    by head, ``models.layers.linear_attention``), and a weight that did not divide would stay
+    whole while the state slots split."""
+    if cfg is not None and cfg.num_k_heads % size:
+        raise ShardingError(
+            f"the model's {cfg.num_k_heads} linear-attention key heads (linear_num_key_heads) "
+            f"do not divide by --tensor-parallel-size {size}"
+        )
+
+
 def partition_spec(
     axes: Sequence[str | None], shape: Sequence[int], rules: Mapping[str, str], size: int
 ) -> PartitionSpec:
@@ -160,13 +192,19 @@ def shard_weights(weights: ModelWeights, mesh: Mesh, expert_parallel: bool = Fal
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
     """Shardings of a ``KVCache`` pytree by ``KV_CACHE_AXES``: K, V and their row scales split
-    over KV heads (MLA's latent cache, one KV "head", stays whole)."""
+    over KV heads (MLA's latent cache, one KV "head", stays whole); of a ``HybridCache``, its
+    KV cache so and its state slots over their linear-attention heads."""
 
-    def sharding(a: Any) -> NamedSharding:
-        axes = KV_CACHE_AXES[: a.ndim]
+    def sharding(axes: Sequence[str | None], a: Any) -> NamedSharding:
         return NamedSharding(mesh, partition_spec(axes, a.shape, LOGICAL_RULES, mesh.size))
 
-    return jax.tree.map(sharding, cache)
+    if isinstance(cache, HybridCache):
+        return HybridCache(
+            cache_sharding(cache.kv, mesh),
+            sharding(CONV_STATE_AXES, cache.conv),
+            sharding(RECURRENT_STATE_AXES, cache.recurrent),
+        )
+    return jax.tree.map(lambda a: sharding(KV_CACHE_AXES[: a.ndim], a), cache)
 
 
 def replicated_sharding(tree: Any) -> NamedSharding | None:

@@ -1,7 +1,8 @@
 """Hybrid linear-attention models against HF transformers on tiny random models (harness.py):
 Qwen3-Next (fused projections, MoE with a gated shared expert, a dense layer between MoE ones),
 Qwen3.5 dense, and a multimodal Qwen3.5-MoE checkpoint served as its text model; the
-gated delta rule's two forms and the causal convolution against transformers' torch fallbacks.
+gated delta rule's two forms and the causal convolution against transformers' torch fallbacks;
+Qwen3-Next and Qwen3.5 under tensor parallelism on 4 fake CPU devices.
 """
 
 from __future__ import annotations
@@ -201,15 +202,77 @@ def test_unsupported_config_is_a_one_line_error(fields, message):
     assert "\n" not in str(error.value)
 
 
-def test_tensor_parallel_is_refused(tmp_path):
+def test_linear_key_heads_that_do_not_divide_are_a_one_line_error(tmp_path):
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import configure_model
+    from jax_llm_runtime.runtime.parallel.sharding import ShardingError
 
     hf = {**HYBRID, "architectures": ["Qwen3NextForCausalLM"], **MOE}
-    config = EngineConfig(model_id=str(tmp_path), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--tensor-parallel-size > 1 is not supported") as error:
+    config = EngineConfig(model_id=str(tmp_path), tensor_parallel_size=4)
+    message = r"2 linear-attention key heads \(linear_num_key_heads\) do not divide by --tensor-p"
+    with pytest.raises(ShardingError, match=message) as error:
         configure_model(config, hf)
     assert "\n" not in str(error.value)
+    configure_model(EngineConfig(model_id=str(tmp_path), tensor_parallel_size=2), hf)
+
+
+# Four key heads, so that every linear-attention layer splits over 4 devices.
+TP_QWEN3_NEXT = dict(
+    layer_types=LAYER_TYPES,
+    mlp_only_layers=[2],
+    linear_num_key_heads=4,
+    linear_num_value_heads=12,
+    linear_value_head_dim=4,
+    linear_conv_kernel_dim=3,
+    **MOE,
+)
+TP_QWEN3_5 = dict(layer_types=LAYER_TYPES, linear_num_key_heads=4, linear_num_value_heads=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "fields", "extra"),
+    [
+        ("Qwen3NextConfig", TP_QWEN3_NEXT, {"expert_parallel": True}),
+        ("Qwen3_5TextConfig", TP_QWEN3_5, {}),
+    ],
+    ids=["qwen3_next", "qwen3_5"],
+)
+def test_tensor_parallel_over_4_devices(tmp_path, name, fields, extra):
+    """On 4 fake CPU devices as on one: the last-position logits match HF's, and the greedy
+    tokens are HF's for sequences run side by side (chunked prefill, a fork of ``n = 2``) and
+    after preemption; each device holds a quarter of the state slots and of every
+    linear-attention weight but the per-head norm (``hybrid_tensor_parallel_run.py``)."""
+    import json
+
+    import torch
+
+    from tests.models.harness import LOGIT_ATOL, greedy_hf
+    from tests.models.tiny_tokenizer import save_byte_tokenizer
+    from tests.runtime.hybrid_tensor_parallel_run import NEW_TOKENS, prompts
+    from tests.runtime.test_tensor_parallel import BASE, run_on_four_devices
+
+    ids = {k: BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}
+    hf_model = save_random_model(_config(name, **ids, **fields), tmp_path)
+    save_byte_tokenizer(tmp_path)
+    results = run_on_four_devices(
+        "hybrid_tensor_parallel_run.py", str(tmp_path), "1,4", json.dumps(extra)
+    )
+    tokens = prompts(hf_model.config.vocab_size)
+    with torch.no_grad():
+        logits = [hf_model(torch.tensor([p])).logits[0, -1].numpy() for p in tokens]
+    hf_model.generation_config.eos_token_id = None
+    expected = [greedy_hf(hf_model, p)[:NEW_TOKENS] for p in tokens]
+    for size, result in results.items():
+        np.testing.assert_allclose(result["logits"], logits, atol=LOGIT_ATOL, rtol=0, err_msg=size)
+        assert result["tokens"] == [*expected, expected[1], expected[1]], size
+        assert result["preempted"] == expected and result["preemptions"] > 0, size
+    one, four = results["1"], results["4"]
+    for part, held in four["state_bytes"].items():
+        assert held == [one["state_bytes"][part][0] // 4] * 4, part
+    for field, held in four["field_bytes"].items():
+        whole = one["field_bytes"][field][0]
+        assert held == ([whole] if field == "la_norm" else [whole // 4]) * 4, field
 
 
 def test_int8_linear_attention_matches_hf_on_dequantized_weights(tmp_path):
@@ -231,7 +294,7 @@ def test_int8_linear_attention_matches_hf_on_dequantized_weights(tmp_path):
     config = dataclasses.replace(spec.config_from_hf(checkpoint.config), quantization="int8")
     weights = spec.load(config, checkpoint.tensors(), np.float32, checkpoint.num_tensors)
     linear = weights["segments"][0]
-    assert isinstance(linear["la_qkv"], QuantizedWeight)
+    assert isinstance(linear["la_q"], QuantizedWeight)
     assert not isinstance(linear["la_b"], QuantizedWeight)
     packed = (*PROJECTIONS, "in_proj_qkv", "in_proj_z", "out_proj")
     with torch.no_grad():

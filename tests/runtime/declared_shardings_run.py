@@ -1,5 +1,5 @@
 """Run in a fresh process with 4 fake CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=4``): declare tiny models, place their
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``): declare tiny models (Llama, DeepSeek, Qwen3-Next, Qwen3.5), place their
 zero-filled parameters on a 4-device ``tp`` mesh, and print as one JSON line each array's
 declared logical axes and the ``PartitionSpec`` it was placed with, by field; then the same
 after one declaration is changed (the final norm's axis renamed ``mlp``), which must move it."""
@@ -16,6 +16,7 @@ from flax import nnx
 from jax_llm_runtime.models.decoder import Decoder, DecoderConfig
 from jax_llm_runtime.models.layers.attention import AttentionConfig
 from jax_llm_runtime.models.layers.expert_offload import ExpertOffload
+from jax_llm_runtime.models.layers.linear_attention import LinearAttentionConfig
 from jax_llm_runtime.models.layers.mla import MLAConfig
 from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.params import params
@@ -41,6 +42,15 @@ CONFIGS = {
         first_moe_layer=1,
     ),
 }
+# Linear attention (Qwen3-Next's fused projections, Qwen3.5's separate ones) in layers 0 and 1.
+for name, fused in (("qwen3_next", True), ("qwen3_5", False)):
+    CONFIGS[name] = DecoderConfig(
+        **BASE,
+        tie_word_embeddings=False,
+        attention=AttentionConfig(8, 4, 16, RopeConfig(10000.0, 16), output_gate=True),
+        linear_attention=LinearAttentionConfig(4, 8, 16, 8, 4, fused_projections=fused),
+        linear_layers=(True, True, False),
+    )
 
 
 def zero_filled(cfg: DecoderConfig) -> ModelWeights:

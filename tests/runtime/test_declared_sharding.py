@@ -15,7 +15,8 @@ from jax_llm_runtime.models.layers.params import params
 from tests.runtime.declared_shardings_run import CONFIGS
 from tests.runtime.test_tensor_parallel import run_on_four_devices
 
-SPLIT = {"vocab", "heads", "kv_heads", "mlp"}  # the logical axes the mesh splits
+# The logical axes the mesh splits.
+SPLIT = {"vocab", "heads", "kv_heads", "mlp", "linear_heads"}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -68,6 +69,15 @@ def test_mesh_placement_follows_the_declared_axes(placed: dict) -> None:
     assert not _split_axes(placed["deepseek/ep=False"]["1.e_gate"])
     assert deepseek["1.e_up_host"]["memory_kind"] == "pinned_host"
     assert deepseek["1.e_up_host"]["spec"][:2] == [None, "tp"]
+    # Linear attention by heads: input projections and the convolution's channels, the output
+    # projection row-parallel; the per-head norm whole.
+    for run, inputs in (("qwen3_next", ("la_qkvz", "la_ba")), ("qwen3_5", ("la_q", "la_v"))):
+        fields = placed[f"{run}/ep=False"]
+        for name in inputs:
+            assert fields[f"0.{name}"]["spec"] == [None, None, "tp"], (run, name)
+        assert fields["0.la_conv_k"]["spec"] == [None, "tp", None, None], run
+        assert fields["0.la_out"]["spec"] == [None, "tp", None], run
+        assert not _split_axes(fields["0.la_norm"]), run
 
 
 def test_changing_a_declaration_moves_the_weight(placed: dict) -> None:
