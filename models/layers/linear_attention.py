@@ -11,12 +11,13 @@ checkpoint fuses the projections per key head (``in_proj_qkvz``, ``in_proj_ba``:
 The convolution's channels are in *head-major* order: per key head its q, its k, then its
 group's v channels (``head_major``). Qwen3-Next's fused projections give that order per key head
 already; Qwen3.5's ``in_proj_qkv`` and both checkpoints' ``conv1d`` (q, then k, then v) are cut
-into q, k and v fields at load. So every weight and state of the layer splits over a
-tensor-parallel mesh in contiguous blocks of whole key heads with their value heads
-(``LINEAR_HEADS``, as vLLM splits Qwen3-Next: the projections column-parallel, the convolution
-and the state slots along their heads, the output projection row-parallel), and the layer runs
-on each device's heads with one all-reduce, after the output projection. The key heads must
-divide by the tensor-parallel size (``runtime.parallel.sharding``).
+into q, k and v fields at load. So every weight of the layer (but the gated norm's, which all
+heads share) and its states split over a tensor-parallel mesh in contiguous blocks of whole key
+heads with their value heads (``LINEAR_HEADS``, as vLLM splits Qwen3-Next: the projections
+column-parallel, the convolution and the state slots along their heads, the output projection
+row-parallel), and the layer runs on each device's heads with one all-reduce, after the output
+projection. The key heads must divide by the tensor-parallel size
+(``runtime.parallel.sharding``).
 
 Instead of K/V pages such a layer keeps a fixed-size state per sequence: the last
 ``conv_kernel - 1`` convolution inputs and the ``[v_heads, k_head_dim, v_head_dim]`` recurrent

@@ -435,8 +435,9 @@ def with_native_kernels(model_config: Any, tensor_parallel_size: int) -> Any:
 
 
 def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
-    """Whether a step (over the abstract ``cache``, a ``KVCache`` or ``HybridCache``) mixes decode rows with prefill chunks of several sequences: where the
-    ragged attention runs on its native CPU kernel. Elsewhere (a device mesh, accelerators,
+    """Whether a step (over the abstract ``cache``, a ``KVCache`` or ``HybridCache``) mixes
+    decode rows with prefill chunks of several sequences: where the ragged attention runs on
+    its native CPU kernel. Elsewhere (a device mesh, accelerators,
     MLA's absorbed attention, attention sinks) the ragged contract has only its jnp reference,
     which reads each row's whole page table, so a step is one kind of work and the two kinds
     alternate."""

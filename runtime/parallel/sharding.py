@@ -31,9 +31,9 @@ the projections whose input is split) from them. What the model's declarations g
 Quantized values split along the same logical axes: every array of a ``PackedWeight`` (codes
 and group scales together; an axis of size 1, a per-matrix zero, stays whole), an int8 weight's
 per-column scales (which lack the input axis) with its columns. An axis that does not divide by
-the mesh size stays whole (a vocabulary of 32001: the step stays correct). Attention heads, outside MLA the KV
-heads, and linear-attention key heads must divide by the tensor-parallel size (a clear error
-at startup), so that every device holds whole heads.
+the mesh size stays whole (a vocabulary of 32001: the step stays correct). Attention heads,
+outside MLA the KV heads, and linear-attention key heads must divide by the tensor-parallel
+size (a clear error at startup), so that every device holds whole heads.
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int, is_mla: bool) 
 
 def check_linear_divisible(cfg: LinearAttentionConfig | None, size: int) -> None:
     """Refuse linear-attention layers whose key heads do not divide by ``size`` devices: each
-    device must hold whole key heads with their value heads (their channels are laid out head
-    by head, ``models.layers.linear_attention``), and a weight that did not divide would stay
-    whole while the state slots split."""
+    device must hold whole key heads with their value heads, since a layer's channels are laid
+    out head by head (``models.layers.linear_attention``) and a block of channels that is not
+    whole heads would need other devices' channels in the layer."""
     if cfg is not None and cfg.num_k_heads % size:
         raise ShardingError(
             f"the model's {cfg.num_k_heads} linear-attention key heads (linear_num_key_heads) "
