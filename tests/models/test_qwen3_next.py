@@ -2,7 +2,8 @@
 Qwen3-Next (fused projections, MoE with a gated shared expert, a dense layer between MoE ones),
 Qwen3.5 dense, and a multimodal Qwen3.5-MoE checkpoint served as its text model; the
 gated delta rule's two forms and the causal convolution against transformers' torch fallbacks;
-Qwen3-Next and Qwen3.5 under tensor parallelism on 4 fake CPU devices.
+Qwen3-Next and Qwen3.5 under tensor parallelism on 4 fake CPU devices (and a split layer's
+one collective).
 """
 
 from __future__ import annotations
@@ -273,6 +274,19 @@ def test_tensor_parallel_over_4_devices(tmp_path, name, fields, extra):
     for field, held in four["field_bytes"].items():
         whole = one["field_bytes"][field][0]
         assert held == ([whole] if field == "la_norm" else [whole // 4]) * 4, field
+
+
+def test_a_split_layer_communicates_once_after_its_output_projection():
+    """Over 4 devices a linear-attention layer, a prompt chunk or a decode step, runs on each
+    device's own heads: its weights, convolution and state slots split alike, so the compiled
+    step holds one all-reduce (the output projection's partial sums) and nothing that moves
+    q, k, v or the states between devices (``linear_attention_collectives_run.py``)."""
+    from tests.runtime.test_tensor_parallel import run_on_four_devices
+
+    results = run_on_four_devices("linear_attention_collectives_run.py")
+    assert sorted(results) == [f"{p}/{k}" for p in ("fused", "split") for k in ("chunk", "decode")]
+    for step, found in results.items():
+        assert found == {"all-reduce": 1}, step
 
 
 def test_int8_linear_attention_matches_hf_on_dequantized_weights(tmp_path):
