@@ -48,7 +48,7 @@ def test_every_sampling_field_is_accepted_and_shapes_the_response(client: openai
         top_p=0.9,
         presence_penalty=0.5,
         frequency_penalty=0.3,
-        logit_bias={"28": -100},
+        logit_bias={"30": -100},  # "." (28 is ",")
         seed=7,
         max_completion_tokens=12,
         stop=["\n\n"],
@@ -73,7 +73,9 @@ def test_every_sampling_field_is_accepted_and_shapes_the_response(client: openai
         tokens = choice.logprobs.content
         assert 4 <= len(tokens) <= 12
         assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in tokens)
-        assert all(t.token != "." or t.logprob == -9999.0 for t in tokens)  # id 28 is "." (banned)
+        # Banned: never sampled, and the reported distributions (after logit_bias) rank it last.
+        assert all(t.token != "." for t in tokens)
+        assert all(alt.token != "." for t in tokens for alt in t.top_logprobs)
     assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
 
 

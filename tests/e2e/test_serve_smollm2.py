@@ -15,7 +15,11 @@ from tests.serve_process import running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+# The default model's greedy answer, "The capital city of France is Paris.", leads its runner-up
+# by 0.7 nats or more at every token, with int8 or float operands: it holds across CPUs.
+# ("Which city is the capital of France?" turned on a last-bit difference: "Paris" on AMD EPYCs,
+# "Le Grand Chateau ..." on a Xeon, from llama.cpp too.)
+QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
 
 @pytest.fixture(scope="module")

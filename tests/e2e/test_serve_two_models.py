@@ -16,7 +16,7 @@ from tests.serve_process import running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 TINY_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--kvcache-mem", "4"]
 
 

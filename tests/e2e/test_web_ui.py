@@ -167,7 +167,7 @@ def test_a_reply_streams_in_and_the_conversation_survives_a_reload(
     open_ui(page, smollm2_ui)
     set_parameters(page, temperature="0", **{"max-tokens": "48"})
     record_reply_lengths(page)
-    send(page, "Which city is the capital of France?")
+    send(page, "Name the capital city of France.")
     page.wait_for_function("() => document.body.dataset.state === 'streaming'")
     wait_idle(page)
     answer = page.text_content(REPLY)
@@ -180,12 +180,12 @@ def test_a_reply_streams_in_and_the_conversation_survives_a_reload(
     page.reload()
     page.wait_for_selector("#status[data-kind=ready]")
     titles = page.locator("#conversations .open").all_text_contents()
-    assert titles == ["Which city is the capital of France?"]
+    assert titles == ["Name the capital city of France."]
     assert page.text_content(REPLY) == answer  # the active conversation is shown again
     page.click("#new-chat")
     assert page.locator(".message").count() == 0
     page.click("#conversations .open")
-    assert page.text_content(".message.user") == "Which city is the capital of France?"
+    assert page.text_content(".message.user") == "Name the capital city of France."
     assert page.text_content(REPLY) == answer
     page.click("#conversations .delete")
     assert page.locator("#conversations li").count() == 0
