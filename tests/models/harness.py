@@ -196,3 +196,28 @@ def prompt_batch(config: Any, ids: list[int], padded: int, page_size: int) -> tu
     tokens = np.zeros((1, padded), np.int32)
     tokens[0, : len(ids)] = ids
     return cache, StepBatch.padded(tokens, np.arange(padded)[None], n, n, page_indices)
+
+
+def check_vision_loading_is_strict(
+    spec: Any, vision_config: Any, folder: Path, missing: str, extra: str, reshaped: str
+) -> None:
+    """A vision encoder's loading refuses a checkpoint without the tensor ``missing``, one with
+    the unknown tensor ``extra``, and one whose ``reshaped`` has the wrong shape, naming each."""
+    captured: dict[str, np.ndarray] = {}
+    list(spec.vision.split_tensors(load_hf_checkpoint(folder).tensors(), captured))
+    assert missing in captured and reshaped in captured
+    without = {k: v for k, v in captured.items() if k != missing}
+    _refused(spec, vision_config, without, missing.rsplit(".", 2)[-2])
+    _refused(spec, vision_config, captured | {extra: np.zeros(3)}, extra.rsplit(".", 2)[-2])
+    _refused(spec, vision_config, captured | {reshaped: np.zeros((3, 3))}, "shape")
+
+
+def _refused(spec: Any, vision_config: Any, tensors: dict, match: str) -> None:
+    from jax_llm_runtime.models.weights import WeightLoadError
+
+    try:
+        spec.vision.load(vision_config, tensors, np.float32)
+    except WeightLoadError as e:
+        assert match in str(e), (match, str(e))
+    else:
+        raise AssertionError(f"loading was not refused ({match})")

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from jax_llm_runtime.models.registry import get_model_spec
-from jax_llm_runtime.models.weights import WeightLoadError
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from tests.models import gemma3_vision_fixture as fx
-from tests.models.harness import prompt_batch
+from tests.models.harness import check_vision_loading_is_strict, prompt_batch
 
 PAGE_SIZE = 4
 PADDED = 64  # the prompts' rows, padded
@@ -114,16 +113,11 @@ def test_encoder_matches_hf(saved) -> None:
 def test_vision_loading_is_strict(saved) -> None:
     folder, _ = saved
     spec, _, _, vision_config, _ = _load(folder)
-    captured: dict[str, np.ndarray] = {}
-    list(spec.vision.split_tensors(load_hf_checkpoint(folder).tensors(), captured))
-    missing = dict(captured)
-    missing.pop("model.multi_modal_projector.mm_soft_emb_norm.weight")
-    with pytest.raises(WeightLoadError, match="mm_soft_emb_norm"):
-        spec.vision.load(vision_config, missing, np.float32)
-    extra = dict(captured) | {"model.vision_tower.vision_model.head.weight": np.zeros(3)}
-    with pytest.raises(WeightLoadError, match=r"head\.weight"):
-        spec.vision.load(vision_config, extra, np.float32)
-    bad = dict(captured)
-    bad["model.multi_modal_projector.mm_input_projection_weight"] = np.zeros((3, 3))
-    with pytest.raises(WeightLoadError, match="shape"):
-        spec.vision.load(vision_config, bad, np.float32)
+    check_vision_loading_is_strict(
+        spec,
+        vision_config,
+        folder,
+        missing="model.multi_modal_projector.mm_soft_emb_norm.weight",
+        extra="model.vision_tower.vision_model.head.weight",
+        reshaped="model.multi_modal_projector.mm_input_projection_weight",
+    )

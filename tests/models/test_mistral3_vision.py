@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from jax_llm_runtime.models.registry import get_model_spec
-from jax_llm_runtime.models.weights import WeightLoadError
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from tests.models import mistral3_vision_fixture as fx
 from tests.models.gemma3_vision_fixture import random_images
-from tests.models.harness import prompt_batch
+from tests.models.harness import check_vision_loading_is_strict, prompt_batch
 
 PAGE_SIZE = 4
 PADDED = 96  # the prompts' rows, padded
@@ -120,14 +119,11 @@ def test_vision_loading_is_strict(saved) -> None:
     captured: dict[str, np.ndarray] = {}
     list(spec.vision.split_tensors(load_hf_checkpoint(folder).tensors(), captured))
     assert "model.vision_tower.ln_pre.weight" in captured
-    missing = dict(captured)
-    missing.pop("model.multi_modal_projector.patch_merger.merging_layer.weight")
-    with pytest.raises(WeightLoadError, match="merging_layer"):
-        spec.vision.load(vision_config, missing, np.float32)
-    extra = dict(captured) | {"model.vision_tower.ln_post.weight": np.zeros(3)}
-    with pytest.raises(WeightLoadError, match=r"ln_post\.weight"):
-        spec.vision.load(vision_config, extra, np.float32)
-    bad = dict(captured)
-    bad["model.multi_modal_projector.linear_1.weight"] = np.zeros((3, 3))
-    with pytest.raises(WeightLoadError, match="shape"):
-        spec.vision.load(vision_config, bad, np.float32)
+    check_vision_loading_is_strict(
+        spec,
+        vision_config,
+        folder,
+        missing="model.multi_modal_projector.patch_merger.merging_layer.weight",
+        extra="model.vision_tower.ln_post.weight",
+        reshaped="model.multi_modal_projector.linear_1.weight",
+    )
