@@ -209,7 +209,10 @@ def _build(name: str, compiler: str) -> Path:
     import jax
     import jaxlib
 
-    source = (_SOURCES / f"{name}.cc").read_bytes()
+    # The source and the headers beside it (every kernel may include any of them).
+    source = b"\0".join(
+        path.read_bytes() for path in [_SOURCES / f"{name}.cc", *sorted(_SOURCES.glob("*.h"))]
+    )
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout

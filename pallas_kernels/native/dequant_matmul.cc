@@ -14,13 +14,16 @@
 // run) to the output rows and subtracts the offset times the sums of x, which
 // are computed once per call.
 //
-// Work items are taken from one atomic counter by the calling thread and all
-// but one of XLA's CPU pool threads (as many workers as cores). Usually they
+// Work items are taken from one atomic counter by the calling thread and the
+// library's crew of helpers (worker_crew.h; XLA's CPU pool when another call
+// holds the crew), as many workers as cores. Usually they
 // are blocks of output columns, each running up to kMaxRows rows of x at a
 // time over all of `in` with its accumulators in registers (Pass). A lone row
 // of x whose plane rows are short (single-stream decode) reads them whole, one
 // after another, instead, and its items are ranges of runs (Stream): reading
-// a run's rows side by side streams from memory at a third of the rate.
+// a run's rows side by side streams from memory at a third of the rate. With
+// int8 activations a lone row over long plane rows (an LM head) is streamed
+// by chunks of columns (StreamQ8Chunk), which keeps its sums batch-invariant.
 //
 // With int8 activations (attribute int8_x) each row of x is first rounded to
 // int8 codes with one float32 scale per 32 values (llama.cpp's Q8_0 for
@@ -61,6 +64,7 @@
 #endif
 
 #if !defined(NATIVE_PART) || NATIVE_PART == 0
+#include "worker_crew.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -92,8 +96,12 @@ constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
 constexpr int64_t kStreamRowBytes = 4096;
 constexpr int64_t kStreamCols = 8192;
 // Work (rows of `in` x columns x (rows of x + 2)) from which a call is spread
-// over the thread pool; below it, the calling thread runs it alone.
-constexpr int64_t kParallelWork = int64_t{1} << 21;
+// over the workers; below it, the calling thread runs it alone. With the
+// pool's sleeping threads the bar was 2^21 (a wake-up cost more than a small
+// call); the crew's spinning helpers (worker_crew.h) take a call in well under
+// a microsecond, so SmolLM2's one-row q, k, v and o projections split too
+// (one decode step: 15.7 -> 14.1 ms median, 2-vCPU Xeon).
+constexpr int64_t kParallelWork = int64_t{1} << 18;
 constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread sleeps
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -240,6 +248,9 @@ struct Problem {
   int64_t item_runs = 0;
   int64_t vector_end = 0;  // columns in whole vectors
   float* partials = nullptr;
+  // A lone row with int8 activations and long plane rows (an LM head): items
+  // are chunks of `block` columns, each streamed (StreamQ8).
+  bool stream_q8 = false;
 };
 
 // The group rows of d, sc, z, mn and m that hold one half run (nullptr where
@@ -750,6 +761,65 @@ StreamFn StreamFor(int b0, int b1) {
   }
 }
 
+// A lone row of x with int8 activations over plane rows longer than a page (an
+// LM head), columns [c0, c1) of whole vectors: every run in order, each plane
+// row's stretch read whole (StreamPlane), with the row's int8 codes as the
+// multipliers. PassQ8One reads 16 bytes of each of a run's plane rows side by
+// side; from rows 49,152 bytes apart that ran at half the rate of reading a
+// row whole. The sums are integers below 2^24, exact in float32, so each
+// group's sum is PassQ8One's integer dot, and y gets PassQ8One's operations
+// in its order: a lone row's outputs equal its row's in a batch.
+template <int B0, int B1>
+void StreamQ8Chunk(const Problem& p, int64_t c0, int64_t c1, float* __restrict acc) {
+  const Weight& w = p.w;
+  const int64_t width = c1 - c0, runs = w.k / kRun;
+  const bool fine = w.fine < kRun;
+  float* acc0 = acc - c0;  // indexed by column
+  float* acc1 = fine ? acc0 + width : acc0;
+  const RowsQ8 x = RowsQ8At(p, 0);
+  std::fill(p.y + c0, p.y + c1, 0.0f);
+  for (int64_t run = 0; run < runs; ++run) {
+    float codes[kRun];
+    for (int i = 0; i < kRun; ++i) {
+      const int32_t four = x.xq[(run * kQuads + i / 4) * kRowBlock];
+      codes[i] = static_cast<float>(static_cast<int8_t>(four >> (8 * (i % 4))));
+    }
+    std::fill(acc, acc + (fine ? 2 : 1) * width, 0.0f);
+    StreamPlane<B0, 0>(w.p0, w.n, run, codes, c0, c1, acc0, acc1);
+    if constexpr (B1 != 0) StreamPlane<B1, B0>(w.p1, w.n, run, codes, c0, c1, acc0, acc1);
+    const Vec xs = Splat(x.xd[run * kRowBlock]);
+    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
+    const Vec xo0 = Splat(fine ? x.xh[2 * run * kRowBlock] : x.xr[run * kRowBlock]);
+    const Vec xo1 = Splat(fine ? x.xh[(2 * run + 1) * kRowBlock] : 0.0f);
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      Vec s, o, y = Load(p.y + c);
+      Factors(w, fine ? g0 : g1, c, s, o);
+      y += Load(acc0 + c) * xs * s;
+      if (w.offset) y -= o * xo0;
+      if (fine) {
+        Factors(w, g1, c, s, o);
+        y += Load(acc1 + c) * xs * s;
+        if (w.offset) y -= o * xo1;
+      }
+      Store(p.y + c, y);
+    }
+  }
+}
+
+using StreamQ8Fn = void (*)(const Problem&, int64_t, int64_t, float*);
+
+StreamQ8Fn StreamQ8For(int b0, int b1) {
+  switch (b0 * 16 + b1) {
+    case 8 * 16: return StreamQ8Chunk<8, 0>;
+    case 4 * 16 + 2: return StreamQ8Chunk<4, 2>;
+    case 4 * 16 + 1: return StreamQ8Chunk<4, 1>;
+    case 4 * 16: return StreamQ8Chunk<4, 0>;
+    case 2 * 16 + 1: return StreamQ8Chunk<2, 1>;
+    case 2 * 16: return StreamQ8Chunk<2, 0>;
+    default: return nullptr;
+  }
+}
+
 // Element (r, i) of x as rounded to int8 (its code times its run's scale).
 float RoundedX(const Problem& p, int64_t r, int64_t i) {
   const int64_t runs = p.w.k / kRun, block = r / kRowBlock, lane = r % kRowBlock;
@@ -813,6 +883,13 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   }
   const Passes& passes = *PassesFor(p.w.b0, p.w.b1);
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
+  if (p.stream_q8) {
+    const int64_t vector_end = col + (end - col) / kLanes * kLanes;
+    out.resize(static_cast<size_t>(2 * p.block));
+    if (vector_end > col) StreamQ8For(p.w.b0, p.w.b1)(p, col, vector_end, out.data());
+    if (vector_end < end) TailColumns(p, vector_end, end);
+    return;
+  }
   const int64_t vector_end = col + (end - col) / kLanes * kLanes;
   out.resize(static_cast<size_t>(kMaxRows * p.block));
   const bool fine = p.w.fine < kRun;
@@ -1079,6 +1156,12 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->total = (runs + p.item_runs - 1) / p.item_runs;
     work->partials.resize(static_cast<size_t>((work->total - 1) * p.vector_end));
     p.partials = work->partials.data();
+  } else if (int8_x && p.rows == 1 && w.n * w.b0 / 8 > kStreamRowBytes) {
+    // At least two chunks per worker, whole 64-column stretches, at most kStreamCols.
+    const int64_t chunk = (w.n + 2 * workers - 1) / (2 * workers);
+    p.block = std::min<int64_t>(kStreamCols, (chunk + 63) / 64 * 64);
+    p.stream_q8 = true;
+    work->total = (w.n + p.block - 1) / p.block;
   } else {
     int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
     block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
@@ -1088,12 +1171,18 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->total = (w.n + p.block - 1) / p.block;
   }
   const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  worker_crew::Crew* crew = helpers > 0 ? worker_crew::Crew::Get(workers - 1) : nullptr;
+  const bool lent = crew != nullptr && crew->Lend([work] { work->Run(); });
+  if (!lent) {
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  }
   work->Run();
   // The last items are usually a few microseconds from done: spin before sleeping.
   for (int spin = 0; spin < kSpins && work->done.load() != work->total; ++spin) Pause();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->finished.wait(lock, [&] { return work->done.load() == work->total; });
+  lock.unlock();
+  if (lent) crew->Return();
   if (p.stream) {
     for (int64_t i = 0; i + 1 < work->total; ++i) {
       const float* part = p.partials + i * p.vector_end;

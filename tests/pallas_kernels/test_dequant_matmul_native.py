@@ -127,6 +127,24 @@ def test_calls_spread_over_the_thread_pool(qtype):
 
 @needs_kernel
 @pytest.mark.parametrize(
+    "qtype", [T.Q8_0, T.Q4_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K], ids=lambda t: t.name
+)
+def test_a_lone_int8_row_over_a_wide_weight_equals_its_row_in_a_batch(qtype):
+    # Plane rows longer than a page (an LM head's) are streamed for a lone row of int8
+    # activations, chunk by chunk of columns; its outputs must be bit-equal to the same row's
+    # in a batch (a request's tokens never depend on its batch) and match the reference.
+    # 16,456 columns: 2-bit plane rows past 4 KB, chunks of 64 columns and 8 tail columns.
+    k, out = in_features(qtype), 16456
+    w = from_gguf(gguf_bytes(qtype, out, k), qtype, k).to_device()
+    x = tokens(3, k, seed=5)
+    lone = np.asarray(run_native(x[:1], w, int8=True))
+    batch = np.asarray(run_native(x, w, int8=True))
+    np.testing.assert_array_equal(lone[0], batch[0])
+    assert_close(lone, reference.dequant_matmul(x[:1], w, int8_activations=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
     "qtypes",
     [(T.Q4_K, T.Q6_K, T.Q4_K), (T.Q5_0, T.Q8_0, T.Q5_0), (T.Q4_1, T.Q4_0, T.Q8_0)],
     ids=["q4k_q6k", "q5_0_q8_0", "q4_1_q4_0_q8_0"],
