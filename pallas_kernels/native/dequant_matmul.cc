@@ -22,8 +22,8 @@
 // of x whose plane rows are short (single-stream decode) reads them whole, one
 // after another, instead, and its items are ranges of runs (Stream): reading
 // a run's rows side by side streams from memory at a third of the rate. With
-// int8 activations a lone row over long plane rows (an LM head) is streamed
-// by chunks of columns (StreamQ8Chunk), which keeps its sums batch-invariant.
+// int8 activations a lone row's items are chunks of columns, each walked run
+// by run (PassQ8Lone), with the sums of its row in a batch.
 //
 // With int8 activations (attribute int8_x) each row of x is first rounded to
 // int8 codes with one float32 scale per 32 values (llama.cpp's Q8_0 for
@@ -102,6 +102,12 @@ constexpr int64_t kStreamCols = 8192;
 // a microsecond, so SmolLM2's one-row q, k, v and o projections split too
 // (one decode step: 15.7 -> 14.1 ms median, 2-vCPU Xeon).
 constexpr int64_t kParallelWork = int64_t{1} << 18;
+// Work below which a split call goes to the crew; larger calls (prefill
+// chunks, a batch's LM head: milliseconds each, where a wake-up is noise) go
+// to XLA's pool as before, whose threads XLA's own parallel loops of such a
+// step use too (prefill timings with and without the crew were within this
+// machine's noise, so nothing there needs the crew's spinning).
+constexpr int64_t kCrewWork = int64_t{1} << 24;
 constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread sleeps
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -248,9 +254,9 @@ struct Problem {
   int64_t item_runs = 0;
   int64_t vector_end = 0;  // columns in whole vectors
   float* partials = nullptr;
-  // A lone row with int8 activations and long plane rows (an LM head): items
-  // are chunks of `block` columns, each streamed (StreamQ8).
-  bool stream_q8 = false;
+  // A lone row of x with int8 activations: items are chunks of `block`
+  // columns, each over every run in order (PassQ8Lone).
+  bool lone_q8 = false;
 };
 
 // The group rows of d, sc, z, mn and m that hold one half run (nullptr where
@@ -542,7 +548,8 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
   }
 }
 
-// PassQ8 for a lone row of x, kWide column vectors at a time: each plane row's
+// PassQ8 for one row of x (the last row of a batch that leaves one; a lone
+// row of a call goes through PassQ8Lone), kWide column vectors at a time: each plane row's
 // reads are then whole 64-byte lines (4 x 16 bytes on AVX-512), and the
 // independent dots of the vectors overlap. Columns past the last kWide
 // vectors go through PassQ8. (PassQ8 with the column vectors as one more
@@ -761,61 +768,79 @@ StreamFn StreamFor(int b0, int b1) {
   }
 }
 
-// A lone row of x with int8 activations over plane rows longer than a page (an
-// LM head), columns [c0, c1) of whole vectors: every run in order, each plane
-// row's stretch read whole (StreamPlane), with the row's int8 codes as the
-// multipliers. PassQ8One reads 16 bytes of each of a run's plane rows side by
-// side; from rows 49,152 bytes apart that ran at half the rate of reading a
-// row whole. The sums are integers below 2^24, exact in float32, so each
-// group's sum is PassQ8One's integer dot, and y gets PassQ8One's operations
-// in its order: a lone row's outputs equal its row's in a batch.
+// A lone row of x with int8 activations (decode of one sequence), columns
+// [c0, c1) of whole vectors: the runs are the outer loop and the columns the
+// inner one, as in Pass, so that each plane row of a run is read in address
+// order across the chunk, and y lives in memory meanwhile. PassQ8One (the
+// columns outside, four vectors' sums in registers) reads one 64-byte line of
+// every plane row of the matrix before the next line of any: over an LM head's
+// rows, 49,152 bytes apart, that ran at a third of this order's rate (one
+// SmolLM2 Q8_0 head: 4.3 against 1.4 ms), and 1.2x slower on its 1,536-column
+// projections. Each group's integer dot and y's operations are PassQ8One's, in
+// its order, so a lone row's outputs are bit-equal to its row's in a batch.
 template <int B0, int B1>
-void StreamQ8Chunk(const Problem& p, int64_t c0, int64_t c1, float* __restrict acc) {
+void PassQ8Lone(const Problem& p, int64_t c0, int64_t c1) {
+  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
   const Weight& w = p.w;
-  const int64_t width = c1 - c0, runs = w.k / kRun;
   const bool fine = w.fine < kRun;
-  float* acc0 = acc - c0;  // indexed by column
-  float* acc1 = fine ? acc0 + width : acc0;
+  const int64_t runs = w.k / kRun;
   const RowsQ8 x = RowsQ8At(p, 0);
   std::fill(p.y + c0, p.y + c1, 0.0f);
   for (int64_t run = 0; run < runs; ++run) {
-    float codes[kRun];
-    for (int i = 0; i < kRun; ++i) {
-      const int32_t four = x.xq[(run * kQuads + i / 4) * kRowBlock];
-      codes[i] = static_cast<float>(static_cast<int8_t>(four >> (8 * (i % 4))));
-    }
-    std::fill(acc, acc + (fine ? 2 : 1) * width, 0.0f);
-    StreamPlane<B0, 0>(w.p0, w.n, run, codes, c0, c1, acc0, acc1);
-    if constexpr (B1 != 0) StreamPlane<B1, B0>(w.p1, w.n, run, codes, c0, c1, acc0, acc1);
+    int32_t x4[kQuads];
+    for (int t = 0; t < kQuads; ++t) x4[t] = x.xq[(run * kQuads + t) * kRowBlock];
     const Vec xs = Splat(x.xd[run * kRowBlock]);
     const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
     const Vec xo0 = Splat(fine ? x.xh[2 * run * kRowBlock] : x.xr[run * kRowBlock]);
     const Vec xo1 = Splat(fine ? x.xh[(2 * run + 1) * kRowBlock] : 0.0f);
+    const uint8_t* rows0 = w.p0 + run * kRows0 * w.n;
+    const uint8_t* rows1 = B1 ? w.p1 + run * kRows1 * w.n : nullptr;
     for (int64_t c = c0; c < c1; c += kLanes) {
+      UVec hi[B1 ? B1 : 1];
+      if constexpr (B1 != 0)
+        for (int v = 0; v < B1; ++v) hi[v] = Gather4(rows1 + 4 * v * w.n + c, w.n);
+      UVec bytes[B0];
+      IVec acc0 = IVec{}, acc1 = IVec{};
+#pragma GCC unroll 8
+      for (int i = 0; i < kRun; i += 4) {
+        const int j = i % kRows0, f = i / kRows0;
+        if (f == 0) bytes[j / 4] = Gather4(rows0 + j * w.n + c, w.n);
+        UVec q = FieldBytes(bytes[j / 4], f * B0, B0);
+        if constexpr (B1 != 0) q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
+        if (i < kHalf) {
+          acc0 = Dot4<(B0 + B1 >= 8)>(acc0, q, x4[i / 4]);
+        } else {
+          acc1 = Dot4<(B0 + B1 >= 8)>(acc1, q, x4[i / 4]);
+        }
+      }
       Vec s, o, y = Load(p.y + c);
-      Factors(w, fine ? g0 : g1, c, s, o);
-      y += Load(acc0 + c) * xs * s;
-      if (w.offset) y -= o * xo0;
       if (fine) {
+        Factors(w, g0, c, s, o);
+        y += ToFloat(acc0) * xs * s;
+        if (w.offset) y -= o * xo0;
         Factors(w, g1, c, s, o);
-        y += Load(acc1 + c) * xs * s;
+        y += ToFloat(acc1) * xs * s;
         if (w.offset) y -= o * xo1;
+      } else {
+        Factors(w, g1, c, s, o);
+        y += ToFloat(acc0 + acc1) * xs * s;
+        if (w.offset) y -= o * xo0;
       }
       Store(p.y + c, y);
     }
   }
 }
 
-using StreamQ8Fn = void (*)(const Problem&, int64_t, int64_t, float*);
+using PassQ8LoneFn = void (*)(const Problem&, int64_t, int64_t);
 
-StreamQ8Fn StreamQ8For(int b0, int b1) {
+PassQ8LoneFn PassQ8LoneFor(int b0, int b1) {
   switch (b0 * 16 + b1) {
-    case 8 * 16: return StreamQ8Chunk<8, 0>;
-    case 4 * 16 + 2: return StreamQ8Chunk<4, 2>;
-    case 4 * 16 + 1: return StreamQ8Chunk<4, 1>;
-    case 4 * 16: return StreamQ8Chunk<4, 0>;
-    case 2 * 16 + 1: return StreamQ8Chunk<2, 1>;
-    case 2 * 16: return StreamQ8Chunk<2, 0>;
+    case 8 * 16: return PassQ8Lone<8, 0>;
+    case 4 * 16 + 2: return PassQ8Lone<4, 2>;
+    case 4 * 16 + 1: return PassQ8Lone<4, 1>;
+    case 4 * 16: return PassQ8Lone<4, 0>;
+    case 2 * 16 + 1: return PassQ8Lone<2, 1>;
+    case 2 * 16: return PassQ8Lone<2, 0>;
     default: return nullptr;
   }
 }
@@ -883,10 +908,9 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   }
   const Passes& passes = *PassesFor(p.w.b0, p.w.b1);
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
-  if (p.stream_q8) {
+  if (p.lone_q8) {
     const int64_t vector_end = col + (end - col) / kLanes * kLanes;
-    out.resize(static_cast<size_t>(2 * p.block));
-    if (vector_end > col) StreamQ8For(p.w.b0, p.w.b1)(p, col, vector_end, out.data());
+    if (vector_end > col) PassQ8LoneFor(p.w.b0, p.w.b1)(p, col, vector_end);
     if (vector_end < end) TailColumns(p, vector_end, end);
     return;
   }
@@ -900,15 +924,7 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   // one row after another, which also serves every pass after the first.
   Problem copy;
   const Problem* q = &p;
-  // A lone row reads in place: its one pass over the block would read the copy
-  // once, after the copy itself (a SmolLM2 decode step of one sequence: 8.3 ms
-  // with the copy, 7.4 ms without; with PassQ8One 6.1 ms, float activations 6.3).
-  if (p.xq && vector_end > col && p.rows == 1) {
-    copy = p;
-    copy.w.pn = p.w.n;
-    copy.w.pc = 0;
-    q = &copy;
-  } else if (p.xq && vector_end > col) {
+  if (p.xq && vector_end > col) {
     thread_local std::vector<uint8_t> panel;
     const int64_t width = vector_end - col;
     const int64_t rows0 = p.w.k * p.w.b0 / 8, rows1 = p.w.k * p.w.b1 / 8;
@@ -1156,11 +1172,12 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->total = (runs + p.item_runs - 1) / p.item_runs;
     work->partials.resize(static_cast<size_t>((work->total - 1) * p.vector_end));
     p.partials = work->partials.data();
-  } else if (int8_x && p.rows == 1 && w.n * w.b0 / 8 > kStreamRowBytes) {
-    // At least two chunks per worker, whole 64-column stretches, at most kStreamCols.
-    const int64_t chunk = (w.n + 2 * workers - 1) / (2 * workers);
+  } else if (int8_x && p.rows == 1) {
+    // Two chunks per worker, of whole 64-column stretches, at most kStreamCols.
+    const int64_t parts = parallel ? 2 * workers : 1;
+    const int64_t chunk = (w.n + parts - 1) / parts;
     p.block = std::min<int64_t>(kStreamCols, (chunk + 63) / 64 * 64);
-    p.stream_q8 = true;
+    p.lone_q8 = true;
     work->total = (w.n + p.block - 1) / p.block;
   } else {
     int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
@@ -1171,7 +1188,9 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->total = (w.n + p.block - 1) / p.block;
   }
   const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
-  worker_crew::Crew* crew = helpers > 0 ? worker_crew::Crew::Get(workers - 1) : nullptr;
+  const bool small = w.k * w.n * (p.rows + 2) < kCrewWork;
+  worker_crew::Crew* crew =
+      helpers > 0 && small ? worker_crew::Crew::Get(static_cast<int>(workers - 1)) : nullptr;
   const bool lent = crew != nullptr && crew->Lend([work] { work->Run(); });
   if (!lent) {
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });

@@ -130,10 +130,10 @@ def test_calls_spread_over_the_thread_pool(qtype):
     "qtype", [T.Q8_0, T.Q4_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K], ids=lambda t: t.name
 )
 def test_a_lone_int8_row_over_a_wide_weight_equals_its_row_in_a_batch(qtype):
-    # Plane rows longer than a page (an LM head's) are streamed for a lone row of int8
-    # activations, chunk by chunk of columns; its outputs must be bit-equal to the same row's
-    # in a batch (a request's tokens never depend on its batch) and match the reference.
-    # 16,456 columns: 2-bit plane rows past 4 KB, chunks of 64 columns and 8 tail columns.
+    # A lone row of int8 activations is walked run by run over chunks of columns (an LM head's
+    # width: several chunks per worker), the rows of a batch column by column; the lone row's
+    # outputs must be bit-equal to the same row's in a batch (a request's tokens never depend
+    # on its batch) and match the reference. 16,456 columns: 8 past the last whole vector.
     k, out = in_features(qtype), 16456
     w = from_gguf(gguf_bytes(qtype, out, k), qtype, k).to_device()
     x = tokens(3, k, seed=5)
