@@ -1,5 +1,5 @@
 """The built wheel carries what an installed (not editable) copy needs at run time: the native
-kernels' C++ sources and headers, which it builds on first use, and the web UI's files."""
+kernels' C++ sources, which it builds on first use, and the web UI's files."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_the_wheel_holds_the_kernel_sources_and_an_installed_copy_loads_them(
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in ("dequant_matmul.cc", "paged_attention.cc", "worker_crew.h"):
+    for source in ("dequant_matmul.cc", "paged_attention.cc"):
         assert f"jax_llm_runtime/pallas_kernels/native/{source}" in names
     assert "jax_llm_runtime/api/ui/static/index.html" in names
     # One import name: every module of the project lives under jax_llm_runtime/.

@@ -15,8 +15,6 @@ here are XLA FFI handlers (``jax.ffi``) in C++ files beside their Python wrapper
    ``RUNTIME_NATIVE_ISA`` names another build the CPU runs, as the log names them: a lower level
    and which of its extensions to use (an AVX-512 machine then runs and measures the plain
    x86-64-v3 build, or "x86-64-v3+avxvnni"); one the CPU lacks is refused with a warning.
-   A source may include the headers beside it (``worker_crew.h``: the helper threads the
-   kernels share their work items with); they are part of the build's key.
 2. The wrapper registers the library's handlers with ``jax.ffi.register_ffi_target`` for the
    ``cpu`` platform and calls them with ``jax.ffi.ffi_call``.
 3. No compiler, a failed build, or ``RUNTIME_NATIVE_KERNELS=0`` gives None (logged once): the
@@ -211,10 +209,7 @@ def _build(name: str, compiler: str) -> Path:
     import jax
     import jaxlib
 
-    # The source and the headers beside it (every kernel may include any of them).
-    source = b"\0".join(
-        path.read_bytes() for path in [_SOURCES / f"{name}.cc", *sorted(_SOURCES.glob("*.h"))]
-    )
+    source = (_SOURCES / f"{name}.cc").read_bytes()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout

@@ -14,9 +14,8 @@
 // run) to the output rows and subtracts the offset times the sums of x, which
 // are computed once per call.
 //
-// Work items are taken from one atomic counter by the calling thread and the
-// library's crew of helpers (worker_crew.h; XLA's CPU pool when another call
-// holds the crew), as many workers as cores. Usually they
+// Work items are taken from one atomic counter by the calling thread and all
+// but one of XLA's CPU pool threads (as many workers as cores). Usually they
 // are blocks of output columns, each running up to kMaxRows rows of x at a
 // time over all of `in` with its accumulators in registers (Pass). A lone row
 // of x whose plane rows are short (single-stream decode) reads them whole, one
@@ -64,7 +63,6 @@
 #endif
 
 #if !defined(NATIVE_PART) || NATIVE_PART == 0
-#include "worker_crew.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -96,18 +94,8 @@ constexpr int kArrays = 5;    // the group arrays d, sc, z, mn, m
 constexpr int64_t kStreamRowBytes = 4096;
 constexpr int64_t kStreamCols = 8192;
 // Work (rows of `in` x columns x (rows of x + 2)) from which a call is spread
-// over the workers; below it, the calling thread runs it alone. With the
-// pool's sleeping threads the bar was 2^21 (a wake-up cost more than a small
-// call); the crew's spinning helpers (worker_crew.h) take a call in well under
-// a microsecond, so SmolLM2's one-row q, k, v and o projections split too
-// (one decode step: 15.7 -> 14.1 ms median, 2-vCPU Xeon).
-constexpr int64_t kParallelWork = int64_t{1} << 18;
-// Work below which a split call goes to the crew; larger calls (prefill
-// chunks, a batch's LM head: milliseconds each, where a wake-up is noise) go
-// to XLA's pool as before, whose threads XLA's own parallel loops of such a
-// step use too (prefill timings with and without the crew were within this
-// machine's noise, so nothing there needs the crew's spinning).
-constexpr int64_t kCrewWork = int64_t{1} << 24;
+// over the thread pool; below it, the calling thread runs it alone.
+constexpr int64_t kParallelWork = int64_t{1} << 21;
 constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread sleeps
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -614,7 +602,71 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
   if (wide_end < end) PassQ8<B0, B1, 1, Fine>(p, wide_end, end, r0, out);
 }
 
+// A lone row of x with int8 activations (decode of one sequence), columns
+// [c0, c1) of whole vectors: the runs are the outer loop and the columns the
+// inner one, as in Pass, so that each plane row of a run is read in address
+// order across the chunk, and y lives in memory meanwhile. PassQ8One (the
+// columns outside, four vectors' sums in registers) reads one 64-byte line of
+// every plane row of the matrix before the next line of any: over an LM head's
+// rows, 49,152 bytes apart, that ran at a third of this order's rate (one
+// SmolLM2 Q8_0 head: 4.3 against 1.4 ms), and 1.2x slower on its 1,536-column
+// projections. Each group's integer dot and y's operations are PassQ8One's, in
+// its order, so a lone row's outputs are bit-equal to its row's in a batch.
+template <int B0, int B1>
+void PassQ8Lone(const Problem& p, int64_t c0, int64_t c1) {
+  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
+  const Weight& w = p.w;
+  const bool fine = w.fine < kRun;
+  const int64_t runs = w.k / kRun;
+  const RowsQ8 x = RowsQ8At(p, 0);
+  std::fill(p.y + c0, p.y + c1, 0.0f);
+  for (int64_t run = 0; run < runs; ++run) {
+    int32_t x4[kQuads];
+    for (int t = 0; t < kQuads; ++t) x4[t] = x.xq[(run * kQuads + t) * kRowBlock];
+    const Vec xs = Splat(x.xd[run * kRowBlock]);
+    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
+    const Vec xo0 = Splat(fine ? x.xh[2 * run * kRowBlock] : x.xr[run * kRowBlock]);
+    const Vec xo1 = Splat(fine ? x.xh[(2 * run + 1) * kRowBlock] : 0.0f);
+    const uint8_t* rows0 = w.p0 + run * kRows0 * w.n;
+    const uint8_t* rows1 = B1 ? w.p1 + run * kRows1 * w.n : nullptr;
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      UVec hi[B1 ? B1 : 1];
+      if constexpr (B1 != 0)
+        for (int v = 0; v < B1; ++v) hi[v] = Gather4(rows1 + 4 * v * w.n + c, w.n);
+      UVec bytes[B0];
+      IVec acc0 = IVec{}, acc1 = IVec{};
+#pragma GCC unroll 8
+      for (int i = 0; i < kRun; i += 4) {
+        const int j = i % kRows0, f = i / kRows0;
+        if (f == 0) bytes[j / 4] = Gather4(rows0 + j * w.n + c, w.n);
+        UVec q = FieldBytes(bytes[j / 4], f * B0, B0);
+        if constexpr (B1 != 0) q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
+        if (i < kHalf) {
+          acc0 = Dot4<(B0 + B1 >= 8)>(acc0, q, x4[i / 4]);
+        } else {
+          acc1 = Dot4<(B0 + B1 >= 8)>(acc1, q, x4[i / 4]);
+        }
+      }
+      Vec s, o, y = Load(p.y + c);
+      if (fine) {
+        Factors(w, g0, c, s, o);
+        y += ToFloat(acc0) * xs * s;
+        if (w.offset) y -= o * xo0;
+        Factors(w, g1, c, s, o);
+        y += ToFloat(acc1) * xs * s;
+        if (w.offset) y -= o * xo1;
+      } else {
+        Factors(w, g1, c, s, o);
+        y += ToFloat(acc0 + acc1) * xs * s;
+        if (w.offset) y -= o * xo0;
+      }
+      Store(p.y + c, y);
+    }
+  }
+}
+
 using PassFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*);
+using LoneFn = void (*)(const Problem&, int64_t, int64_t);
 
 // The passes of one bit layout by rows of x (1, 2, 4, 8), for groups of half
 // runs and of whole runs: a call runs the largest that fits its rows left (16
@@ -624,6 +676,7 @@ struct Passes {
   PassFn whole[4];
   PassFn fine_q8[4];  // int8 activations
   PassFn whole_q8[4];
+  LoneFn lone_q8;  // a lone row with int8 activations
 };
 
 template <int B0, int B1>
@@ -635,7 +688,8 @@ Passes MakePasses() {
                 {PassQ8One<B0, B1, true>, PassQ8<B0, B1, 2, true>, PassQ8<B0, B1, 4, true>,
                  PassQ8<B0, B1, 8, true>},
                 {PassQ8One<B0, B1, false>, PassQ8<B0, B1, 2, false>, PassQ8<B0, B1, 4, false>,
-                 PassQ8<B0, B1, 8, false>}};
+                 PassQ8<B0, B1, 8, false>},
+                PassQ8Lone<B0, B1>};
 }
 
 // Every bit layout the kernel takes.
@@ -768,83 +822,6 @@ StreamFn StreamFor(int b0, int b1) {
   }
 }
 
-// A lone row of x with int8 activations (decode of one sequence), columns
-// [c0, c1) of whole vectors: the runs are the outer loop and the columns the
-// inner one, as in Pass, so that each plane row of a run is read in address
-// order across the chunk, and y lives in memory meanwhile. PassQ8One (the
-// columns outside, four vectors' sums in registers) reads one 64-byte line of
-// every plane row of the matrix before the next line of any: over an LM head's
-// rows, 49,152 bytes apart, that ran at a third of this order's rate (one
-// SmolLM2 Q8_0 head: 4.3 against 1.4 ms), and 1.2x slower on its 1,536-column
-// projections. Each group's integer dot and y's operations are PassQ8One's, in
-// its order, so a lone row's outputs are bit-equal to its row's in a batch.
-template <int B0, int B1>
-void PassQ8Lone(const Problem& p, int64_t c0, int64_t c1) {
-  constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
-  const Weight& w = p.w;
-  const bool fine = w.fine < kRun;
-  const int64_t runs = w.k / kRun;
-  const RowsQ8 x = RowsQ8At(p, 0);
-  std::fill(p.y + c0, p.y + c1, 0.0f);
-  for (int64_t run = 0; run < runs; ++run) {
-    int32_t x4[kQuads];
-    for (int t = 0; t < kQuads; ++t) x4[t] = x.xq[(run * kQuads + t) * kRowBlock];
-    const Vec xs = Splat(x.xd[run * kRowBlock]);
-    const GroupRows g0 = RowsOf(w, 2 * run), g1 = RowsOf(w, 2 * run + 1);
-    const Vec xo0 = Splat(fine ? x.xh[2 * run * kRowBlock] : x.xr[run * kRowBlock]);
-    const Vec xo1 = Splat(fine ? x.xh[(2 * run + 1) * kRowBlock] : 0.0f);
-    const uint8_t* rows0 = w.p0 + run * kRows0 * w.n;
-    const uint8_t* rows1 = B1 ? w.p1 + run * kRows1 * w.n : nullptr;
-    for (int64_t c = c0; c < c1; c += kLanes) {
-      UVec hi[B1 ? B1 : 1];
-      if constexpr (B1 != 0)
-        for (int v = 0; v < B1; ++v) hi[v] = Gather4(rows1 + 4 * v * w.n + c, w.n);
-      UVec bytes[B0];
-      IVec acc0 = IVec{}, acc1 = IVec{};
-#pragma GCC unroll 8
-      for (int i = 0; i < kRun; i += 4) {
-        const int j = i % kRows0, f = i / kRows0;
-        if (f == 0) bytes[j / 4] = Gather4(rows0 + j * w.n + c, w.n);
-        UVec q = FieldBytes(bytes[j / 4], f * B0, B0);
-        if constexpr (B1 != 0) q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
-        if (i < kHalf) {
-          acc0 = Dot4<(B0 + B1 >= 8)>(acc0, q, x4[i / 4]);
-        } else {
-          acc1 = Dot4<(B0 + B1 >= 8)>(acc1, q, x4[i / 4]);
-        }
-      }
-      Vec s, o, y = Load(p.y + c);
-      if (fine) {
-        Factors(w, g0, c, s, o);
-        y += ToFloat(acc0) * xs * s;
-        if (w.offset) y -= o * xo0;
-        Factors(w, g1, c, s, o);
-        y += ToFloat(acc1) * xs * s;
-        if (w.offset) y -= o * xo1;
-      } else {
-        Factors(w, g1, c, s, o);
-        y += ToFloat(acc0 + acc1) * xs * s;
-        if (w.offset) y -= o * xo0;
-      }
-      Store(p.y + c, y);
-    }
-  }
-}
-
-using PassQ8LoneFn = void (*)(const Problem&, int64_t, int64_t);
-
-PassQ8LoneFn PassQ8LoneFor(int b0, int b1) {
-  switch (b0 * 16 + b1) {
-    case 8 * 16: return PassQ8Lone<8, 0>;
-    case 4 * 16 + 2: return PassQ8Lone<4, 2>;
-    case 4 * 16 + 1: return PassQ8Lone<4, 1>;
-    case 4 * 16: return PassQ8Lone<4, 0>;
-    case 2 * 16 + 1: return PassQ8Lone<2, 1>;
-    case 2 * 16: return PassQ8Lone<2, 0>;
-    default: return nullptr;
-  }
-}
-
 // Element (r, i) of x as rounded to int8 (its code times its run's scale).
 float RoundedX(const Problem& p, int64_t r, int64_t i) {
   const int64_t runs = p.w.k / kRun, block = r / kRowBlock, lane = r % kRowBlock;
@@ -910,7 +887,7 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
   if (p.lone_q8) {
     const int64_t vector_end = col + (end - col) / kLanes * kLanes;
-    if (vector_end > col) PassQ8LoneFor(p.w.b0, p.w.b1)(p, col, vector_end);
+    if (vector_end > col) passes.lone_q8(p, col, vector_end);
     if (vector_end < end) TailColumns(p, vector_end, end);
     return;
   }
@@ -1188,20 +1165,12 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->total = (w.n + p.block - 1) / p.block;
   }
   const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
-  const bool small = w.k * w.n * (p.rows + 2) < kCrewWork;
-  worker_crew::Crew* crew =
-      helpers > 0 && small ? worker_crew::Crew::Get(static_cast<int>(workers - 1)) : nullptr;
-  const bool lent = crew != nullptr && crew->Lend([work] { work->Run(); });
-  if (!lent) {
-    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  }
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   // The last items are usually a few microseconds from done: spin before sleeping.
   for (int spin = 0; spin < kSpins && work->done.load() != work->total; ++spin) Pause();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->finished.wait(lock, [&] { return work->done.load() == work->total; });
-  lock.unlock();
-  if (lent) crew->Return();
   if (p.stream) {
     for (int64_t i = 0; i + 1 < work->total; ++i) {
       const float* part = p.partials + i * p.vector_end;
