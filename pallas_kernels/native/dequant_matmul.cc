@@ -542,7 +542,7 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
 // independent dots of the vectors overlap. Columns past the last kWide
 // vectors go through PassQ8. (PassQ8 with the column vectors as one more
 // template dimension computed the same and ran a one-sequence step at 6.8 ms
-// against this function's 5.9 ms, so the lone row keeps its own loop.)
+// against this function's 5.9 ms, so one row keeps its own loop.)
 constexpr int kWide = 4;
 
 template <int B0, int B1, bool Fine>
@@ -885,13 +885,12 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   }
   const Passes& passes = *PassesFor(p.w.b0, p.w.b1);
   const int64_t col = item * p.block, end = std::min(p.w.n, col + p.block);
+  const int64_t vector_end = col + (end - col) / kLanes * kLanes;
   if (p.lone_q8) {
-    const int64_t vector_end = col + (end - col) / kLanes * kLanes;
     if (vector_end > col) passes.lone_q8(p, col, vector_end);
     if (vector_end < end) TailColumns(p, vector_end, end);
     return;
   }
-  const int64_t vector_end = col + (end - col) / kLanes * kLanes;
   out.resize(static_cast<size_t>(kMaxRows * p.block));
   const bool fine = p.w.fine < kRun;
   // PassQ8 walks the columns outside and the runs inside, reading a line of
