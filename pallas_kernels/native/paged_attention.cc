@@ -15,7 +15,10 @@
 // row per token and query head; the query heads of one KV head share its K
 // and V reads: GQA). Keys a row cannot see (past kv_lens, after its position,
 // before its window) are never read for that row, so stale or NaN pages
-// cannot reach the output; a row that sees no key returns zeros. While a block
+// cannot reach the output; a row that sees no key returns zeros. Float32 rows
+// and unscaled float16 / bfloat16 rows of whole vectors are read in place (the
+// 16-bit ones widened in registers); other rows are converted to a float32
+// buffer first. While a block
 // is computed, the next block's rows are prefetched: pages are scattered, so
 // the hardware prefetcher cannot guess them. Items run on XLA's CPU thread
 // pool: the calling thread and the pool's threads take items from one atomic
@@ -167,6 +170,48 @@ inline Vec Fp8ToFloat(const uint8_t* src) {
   return value;
 }
 
+// How an item reads a cache row's values: float32 (in place, or a row that
+// ConvertRow wrote to a buffer), or 16-bit floats in place, widened in
+// registers as they are loaded (no buffer round trip: a 16-bit cache reads
+// half the bytes of a float32 one, and attention over many sequences is bound
+// by those reads).
+enum class Elem { kF32, kF16, kBF16 };
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+constexpr bool kF16InRegisters = true;
+#else
+constexpr bool kF16InRegisters = false;  // F16 rows go through ConvertRow
+#endif
+
+// kLanes values of a row from element c on, as float32.
+template <Elem E>
+inline Vec LoadAs(const void* row, int64_t c) {
+  if constexpr (E == Elem::kF32) {
+    return Load(static_cast<const float*>(row) + c);
+  } else if constexpr (E == Elem::kBF16) {  // bfloat16 bits are a float32's top half
+    typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+    Half h;
+    std::memcpy(&h, static_cast<const uint16_t*>(row) + c, sizeof h);
+    const IVec bits = __builtin_convertvector(h, IVec) << 16;
+    Vec v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(row) + c;
+#if defined(__AVX512F__)
+    return reinterpret_cast<Vec>(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return reinterpret_cast<Vec>(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else  // not reached: without vector conversions F16 rows go through ConvertRow
+    Vec v;
+    for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(src[i]);
+    return v;
+#endif
+  }
+}
+
 // Everything one call needs; rows of the caches are addressed by their index
 // over [num_layers, num_pages, page_size, num_kv_heads] (times head_dim).
 struct Problem {
@@ -177,6 +222,7 @@ struct Problem {
   ffi::DataType dtype;
   int64_t element_bytes;
   bool in_place;                // float32 rows of whole vectors without scales: read as they are
+  Elem elem;                    // how items read rows: kF32 unless 16-bit rows are read in place
   const float* k_scales;        // [num_layers, num_pages, page_size, num_kv_heads] or null
   const float* v_scales;
   const int32_t* positions;     // [num_rows]
@@ -353,18 +399,18 @@ inline Vec FoldAll(Vec* v, int n) {
 // and a block of kBlock keys (DP: padded_dim when fixed at compile time, else
 // 0). Each key's products stay a vector until one transpose-and-add tree sums
 // all kBlock at once; the rows share every K load.
-template <int R, int DP>
-void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime, Vec* scores) {
+template <int R, int DP, Elem E>
+void BlockScores(const float* q, const void* const* k_rows, int64_t dp_runtime, Vec* scores) {
   static_assert(kBlock == kLanes, "one score per lane");
   const int64_t padded_dim = DP ? DP : dp_runtime;
   Vec halves[R][kBlock / 2];
   for (int i = 0; i < kBlock / 2; ++i) {
-    const float* k0 = k_rows[2 * i];
-    const float* k1 = k_rows[2 * i + 1];
+    const void* k0 = k_rows[2 * i];
+    const void* k1 = k_rows[2 * i + 1];
     Vec a[R], b[R];
     for (int r = 0; r < R; ++r) a[r] = b[r] = Vec{};
     for (int64_t c = 0; c < padded_dim; c += kLanes) {
-      const Vec k0c = Load(k0 + c), k1c = Load(k1 + c);
+      const Vec k0c = LoadAs<E>(k0, c), k1c = LoadAs<E>(k1, c);
       for (int r = 0; r < R; ++r) {
         const Vec qc = Load(q + r * padded_dim + c);
         a[r] += qc * k0c;
@@ -378,13 +424,13 @@ void BlockScores(const float* q, const float* const* k_rows, int64_t dp_runtime,
 
 // One online-softmax step of R query rows (padded_dim apart in q and acc)
 // over keys [b_lo, b_hi) of a block; the rows share every V load.
-template <int R, int DP>
-void AttendRows(const Problem& p, const float* q, const float* const* k_rows,
-                const float* const* v_rows, int b_lo, int b_hi, float* m, float* l,
+template <int R, int DP, Elem E>
+void AttendRows(const Problem& p, const float* q, const void* const* k_rows,
+                const void* const* v_rows, int b_lo, int b_hi, float* m, float* l,
                 float* acc) {
   const int64_t dp = DP ? DP : p.padded_dim;
   Vec scores[R];
-  BlockScores<R, DP>(q, k_rows, dp, scores);
+  BlockScores<R, DP, E>(q, k_rows, dp, scores);
   IVec lane;
   for (int b = 0; b < kLanes; ++b) lane[b] = b;
   const IVec visible = (lane >= b_lo) & (lane < b_hi);
@@ -407,7 +453,7 @@ void AttendRows(const Problem& p, const float* q, const float* const* k_rows,
     Vec a[R];
     for (int r = 0; r < R; ++r) a[r] = Load(acc + r * dp + c) * correction[r];
     for (int b = b_lo; b < b_hi; ++b) {
-      const Vec vb = Load(v_rows[b] + c);
+      const Vec vb = LoadAs<E>(v_rows[b], c);
       for (int r = 0; r < R; ++r) a[r] += weights[r][b] * vb;
     }
     for (int r = 0; r < R; ++r) Store(acc + r * dp + c, a[r]);
@@ -416,19 +462,19 @@ void AttendRows(const Problem& p, const float* q, const float* const* k_rows,
 
 // AttendRows over `count` adjacent rows (the query heads of one KV head for
 // one token), four at a time.
-template <int DP>
-void AttendGroup(const Problem& p, const float* q, const float* const* k_rows,
-                 const float* const* v_rows, int b_lo, int b_hi, float* m, float* l, float* acc,
+template <int DP, Elem E>
+void AttendGroup(const Problem& p, const float* q, const void* const* k_rows,
+                 const void* const* v_rows, int b_lo, int b_hi, float* m, float* l, float* acc,
                  int64_t count) {
   const int64_t dp = p.padded_dim;
   for (int64_t r = 0; r < count; r += 4) {
     const float* qr = q + r * dp;
     float* ar = acc + r * dp;
     switch (std::min<int64_t>(4, count - r)) {
-      case 4: AttendRows<4, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
-      case 3: AttendRows<3, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
-      case 2: AttendRows<2, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
-      default: AttendRows<1, DP>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      case 4: AttendRows<4, DP, E>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      case 3: AttendRows<3, DP, E>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      case 2: AttendRows<2, DP, E>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
+      default: AttendRows<1, DP, E>(p, qr, k_rows, v_rows, b_lo, b_hi, m + r, l + r, ar); break;
     }
   }
 }
@@ -473,7 +519,7 @@ std::pair<int64_t, int64_t> VisibleKeys(const Problem& p, int64_t j0, int64_t j1
   return {lo, hi};
 }
 
-template <int DP>
+template <int DP, Elem E>
 void RunItem(const Problem& p, const Item& item, Scratch& s) {
   const int64_t seq = item.seq, j0 = item.row0, j1 = item.row1;
   const int64_t h0 = item.h0, heads = item.heads;
@@ -494,8 +540,8 @@ void RunItem(const Problem& p, const Item& item, Scratch& s) {
     s.l[r] = 0.0f;
   }
 
-  const float* k_rows[kBlock];
-  const float* v_rows[kBlock];
+  const void* k_rows[kBlock];
+  const void* v_rows[kBlock];
   const int32_t* pages = p.page_indices + seq * p.pages_per_seq;
   int64_t* key_rows = s.key_rows.data();  // this block's rows (KV head 0), then the next's
   KeyRows(p, pages, lo, std::min<int64_t>(kBlock, hi - lo), key_rows);
@@ -512,8 +558,13 @@ void RunItem(const Problem& p, const Item& item, Scratch& s) {
       }
       for (int b = 0; b < nb; ++b) {
         const int64_t row = key_rows[b] + h0 + h;
-        k_rows[b] = RowAsFloat(p, p.k, p.k_scales, row, &s.k_rows[b * dp]);
-        v_rows[b] = RowAsFloat(p, p.v, p.v_scales, row, &s.v_rows[b * dp]);
+        if constexpr (E == Elem::kF32) {
+          k_rows[b] = RowAsFloat(p, p.k, p.k_scales, row, &s.k_rows[b * dp]);
+          v_rows[b] = RowAsFloat(p, p.v, p.v_scales, row, &s.v_rows[b * dp]);
+        } else {
+          k_rows[b] = p.k + row * d * 2;
+          v_rows[b] = p.v + row * d * 2;
+        }
       }
       for (int b = nb; b < kBlock; ++b) k_rows[b] = v_rows[b] = s.zeros.data();
       for (int64_t j = j0; j < j1; ++j) {
@@ -521,8 +572,8 @@ void RunItem(const Problem& p, const Item& item, Scratch& s) {
         const int b_hi = static_cast<int>(std::min<int64_t>(s.hi[j - j0], t0 + nb) - t0);
         if (b_lo >= b_hi) continue;
         const int64_t r = ((j - j0) * heads + h) * g;
-        AttendGroup<DP>(p, &s.q[r * dp], k_rows, v_rows, b_lo, b_hi, &s.m[r], &s.l[r],
-                    &s.acc[r * dp], g);
+        AttendGroup<DP, E>(p, &s.q[r * dp], k_rows, v_rows, b_lo, b_hi, &s.m[r], &s.l[r],
+                           &s.acc[r * dp], g);
       }
     }
     std::copy(key_rows + kBlock, key_rows + 2 * kBlock, key_rows);
@@ -532,6 +583,15 @@ void RunItem(const Problem& p, const Item& item, Scratch& s) {
     float* dst = p.out + offset(r);
     const float inv = s.l[r] > 0 ? 1.0f / s.l[r] : 0.0f;
     for (int64_t i = 0; i < d; ++i) dst[i] = s.acc[r * dp + i] * inv;
+  }
+}
+
+template <Elem E>
+void RunItemOf(const Problem& p, const Item& item, Scratch& s) {
+  switch (p.padded_dim) {  // the common head sizes get unrolled loops
+    case 64: RunItem<64, E>(p, item, s); break;
+    case 128: RunItem<128, E>(p, item, s); break;
+    default: RunItem<0, E>(p, item, s); break;
   }
 }
 
@@ -552,10 +612,10 @@ struct Work {
     if (item >= total) return;
     Scratch scratch(problem);
     for (; item < total; item = next.fetch_add(1)) {
-      switch (problem.padded_dim) {  // the common head sizes get unrolled loops
-        case 64: RunItem<64>(problem, items[item], scratch); break;
-        case 128: RunItem<128>(problem, items[item], scratch); break;
-        default: RunItem<0>(problem, items[item], scratch); break;
+      switch (problem.elem) {
+        case Elem::kF16: RunItemOf<Elem::kF16>(problem, items[item], scratch); break;
+        case Elem::kBF16: RunItemOf<Elem::kBF16>(problem, items[item], scratch); break;
+        default: RunItemOf<Elem::kF32>(problem, items[item], scratch); break;
       }
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mutex);
@@ -617,7 +677,11 @@ bool SetUpCache(Problem& p, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
   p.num_seqs = pd[0];
   p.pages_per_seq = pd[1];
   p.padded_dim = (p.head_dim + kLanes - 1) / kLanes * kLanes;
-  p.in_place = p.dtype == ffi::DataType::F32 && !scaled && p.head_dim == p.padded_dim;
+  const bool whole = !scaled && p.head_dim == p.padded_dim;
+  p.in_place = p.dtype == ffi::DataType::F32 && whole;
+  p.elem = Elem::kF32;
+  if (whole && p.dtype == ffi::DataType::BF16) p.elem = Elem::kBF16;
+  if (whole && p.dtype == ffi::DataType::F16 && kF16InRegisters) p.elem = Elem::kF16;
   p.num_layers = cd[0];
   p.num_pages = cd[1];
   p.page_size = cd[2];
