@@ -30,7 +30,8 @@ CPU_BATCHED_TOKENS = 64
 # chunks of 256 (BENCHMARKS.md, "Mixed batches").
 CPU_PREFILL_ONLY_TOKENS = 256
 # The KV cache on CPU when --kvcache-mem is not given: host memory is shared with everything
-# else, so it is a fixed size rather than a share of what is free.
+# else, so it is a fixed size rather than a share of what is free. It counts float32 bytes: a
+# 16-bit cache holds the same tokens in half of them (runtime.loading.builder).
 CPU_KVCACHE_MB = 1024
 # --attention-backend and --matmul-backend (pallas_kernels.selection.BACKENDS).
 KERNEL_BACKENDS = ("auto", "pallas", "reference")

@@ -3,7 +3,7 @@ process.
 
 Single-stream decode on a bandwidth-bound device is the step's weight bytes; this isolates the
 step from the server (no HTTP, scheduling or sampling) so that formats compare on equal terms.
-The formats are timed in turn, round after round, so machine noise hits all of them alike; the
+The formats (and `--kv-cache-dtypes`) are timed in turn, round after round, so machine noise hits all of them alike; the
 best and median round per format are printed, with the ratio to the first format. The KV cache
 is donated to each step, as the server does.
 
@@ -33,7 +33,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_llm_runtime.models.batch import StepBatch
@@ -86,6 +85,12 @@ def _parse_args() -> argparse.Namespace:
         "--context", type=int, default=128, help="KV positions per decoding sequence"
     )
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="",
+        help="KV cache dtypes to time each format with, e.g. float32,float16 (a +kv-<dtype> "
+        "suffix on each when more than one); default: --dtype",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--native", choices=("on", "off", "both"), default="on")
     parser.add_argument(
@@ -137,19 +142,25 @@ def _load_models(args: argparse.Namespace, formats: list[str]) -> tuple[Any, Any
             unrolls = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
             for unroll in unrolls[args.unroll_layers]:
                 tag = "+unrolled" if unroll and args.unroll_layers == "both" else ""
-                models[label + tag] = (dataclasses.replace(config, unroll_layers=unroll), weights)
+                unrolled = dataclasses.replace(config, unroll_layers=unroll)
+                kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d] or [None]
+                for kv in kv_dtypes:
+                    kv_tag = f"+kv-{kv}" if len(kv_dtypes) > 1 else ""
+                    models[label + tag + kv_tag] = (unrolled, weights, kv)
     return spec, base, dtype, models
 
 
-def _compiled_steps(spec: Any, models: dict, batch: Any, cache: Any) -> dict[str, Any]:
-    """Per model, a warmed-up call of its jitted step on ``batch`` (each with its own cache)."""
+def _compiled_steps(spec: Any, models: dict, batch: Any, cache_of: Any) -> dict[str, Any]:
+    """Per model, a warmed-up call of its jitted step on ``batch`` (each with its own cache,
+    ``cache_of(kv_dtype)``)."""
     steps = {}
-    for name, (config, weights) in models.items():
+    for name, (config, weights, kv_dtype) in models.items():
+        cache = cache_of(kv_dtype)
         step = jax.jit(
             lambda w, c, config=config, batch=batch: spec.forward(config, w, c, batch),
             donate_argnums=(1,),
         )
-        state = {"cache": jax.tree.map(jnp.copy, cache)}
+        state = {"cache": cache}
 
         def run(step=step, weights=weights, state=state):
             logits, state["cache"] = step(weights, state["cache"])
@@ -222,7 +233,9 @@ def main() -> int:
     print(f"{args.model_id}: step ms ({jax.default_backend()}{kernels})")
     for what, batch, num_pages, reps in _batches(args):
         k_shape, v_shape = base.cache_shapes(num_pages, PAGE_SIZE)
-        steps = _compiled_steps(spec, models, batch, KVCache.zeros(k_shape, dtype, v_shape))
+        steps = _compiled_steps(
+            spec, models, batch, lambda kv, k=k_shape, v=v_shape: KVCache.zeros(k, kv or dtype, v)
+        )
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, run in steps.items():

@@ -305,8 +305,9 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
         type=_int_at_least(1),
         default=0,
         metavar="MB",
-        help=f"memory for the paged KV cache, all layers, in MB; default: {CPU_KVCACHE_MB} on "
-        "CPU, on accelerators what --gpu-memory-utilization leaves after the weights",
+        help="memory for the paged KV cache, all layers, in MB; default: on CPU the tokens "
+        f"{CPU_KVCACHE_MB} MB of float32 holds, on accelerators what --gpu-memory-utilization "
+        "leaves after the weights",
     )
     for flag, what in (
         ("--attention-backend", "paged attention"),
@@ -383,7 +384,8 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "--kvcache-dtype",
         choices=(*KV_CACHE_DTYPES, *TURBO_KV_CACHE_DTYPES),
         default="auto",
-        help="KV cache storage: auto = the model dtype; float32, float16 or bfloat16 = that dtype; "
+        help="KV cache storage: auto = the model dtype (float16 for a float32 model whose projections "
+        "take int8 activations); float32, float16 or bfloat16 = that dtype; "
         "fp8 (or fp8_e4m3) = float8 e4m3 with one scale per token and KV head, about a quarter of "
         "float32's bytes; candle-vllm's turbo8, turbo4, turbo3 are served as fp8, with a warning "
         "(default: %(default)s)",

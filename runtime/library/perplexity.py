@@ -119,8 +119,10 @@ def load_model(config: EngineConfig, dequantize: bool = False) -> LoadedModel:
 
 def _with_kv_cache_dtype(model: LoadedModel, name: str) -> LoadedModel:
     """``model`` whose cache-free attention rounds K and V as a ``--kv-cache-dtype name`` cache
-    stores them (a float dtype; "auto" stores the model dtype, so nothing is rounded)."""
-    stored = builder.resolve_kv_cache_dtype(name, model.dtype)
+    stores them (a float dtype; "auto" as the server resolves it: ``resolve_kv_cache_dtype``)."""
+    stored = builder.resolve_kv_cache_dtype(
+        name, model.dtype, builder.takes_int8_activations(model.weights)
+    )
     if stored == model.dtype:
         return model
     attention = getattr(model.config, "attention", None)

@@ -10,11 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_llm_runtime.models.layers.linear import QuantizedWeight
 from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.layers.mla import MLAConfig
 from jax_llm_runtime.models.registry import ModelSpec, model_config_from_hf
 from jax_llm_runtime.pallas_kernels import native
 from jax_llm_runtime.pallas_kernels.dequant_matmul import native as native_dequant
+from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import PackedWeight
 from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from jax_llm_runtime.pallas_kernels.paged_attention.ops import ragged_implementation
@@ -76,15 +78,34 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: jnp.dtype, int8_activations: bool = False
+) -> jnp.dtype:
     """The KV cache's float dtype for ``--kv-cache-dtype`` (``KVCache.dtype``; on CPU a bfloat16
-    or float8 one is stored as integers, ``storage_dtype``): the model dtype ("auto"), a float
-    dtype named, or e4m3 with scales ("fp8*"). (A float32 model's "auto" stays float32 on CPU: a
-    16-bit cache leaves perplexity unchanged, but its rounding turns the float path's ~1e-7
-    batch-to-batch differences into ~5e-4 in logprobs; BENCHMARKS.md.)"""
+    or float8 one is stored as integers, ``storage_dtype``): a float dtype named, e4m3 with
+    scales ("fp8*"), or for "auto" the model dtype, except that a float32 model whose projections
+    take int8 activations (``int8_activations``: ``takes_int8_activations``, the native CPU
+    kernels' default where the CPU has integer dot products) stores float16, as llama.cpp's
+    default cache does. There the cache's
+    rounding leaves perplexity unchanged and, the integer dots being exact per row, a request's
+    tokens and logprobs still do not depend on its batch; it halves the bytes attention reads.
+    With float activations a 16-bit cache's rounding turns the float path's ~1e-7
+    batch-to-batch differences into ~5e-4 in logprobs, so such a model's "auto" stays float32
+    (BENCHMARKS.md)."""
     if name == "auto":
+        if int8_activations and jnp.dtype(model_dtype) == jnp.float32:
+            return jnp.dtype(jnp.float16)
         return jnp.dtype(model_dtype)
     return FP8 if name.startswith("fp8") else jnp.dtype(name)
+
+
+def takes_int8_activations(weights: Any) -> bool:
+    """Whether the model's quantized projections multiply int8 activations: packed or int8
+    weights whose ``operand_dtype`` is "int8" (``--matmul-dtype``; the LM head rounds as the
+    layers do and carries none of its own)."""
+    kinds = (PackedWeight, QuantizedWeight)
+    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, kinds))
+    return any(isinstance(leaf, kinds) and leaf.operand_dtype == "int8" for leaf in leaves)
 
 
 def load_checkpoint(files: ModelFiles) -> Checkpoint:
@@ -194,7 +215,7 @@ def _build_replica(
     if mesh is not None:
         model_config, weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, takes_int8_activations(weights))
     kernels = choose_kernels(
         model_config,
         weights,
@@ -202,7 +223,9 @@ def _build_replica(
         {"attention": config.attention_backend, "dequant_matmul": config.matmul_backend},
     )
     cache_mb = _cache_mb(config, mesh, devices) - _state_mb(config, model_config, dtype)
-    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb)
+    # CPU_KVCACHE_MB counts float32 bytes: a 16-bit cache holds as many tokens in half of them.
+    sized_as = jnp.dtype(jnp.float32) if _default_cpu_cache(config, mesh) else kv_dtype
+    num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb, sized_as)
     make_cache = _cache_maker(config, model_config, (kv_dtype, dtype), num_pages)
     abstract_cache = jax.eval_shape(make_cache)
     cache_shardings = None if mesh is None else cache_sharding(abstract_cache, mesh)
@@ -391,12 +414,23 @@ def _cache_mb(config: EngineConfig, mesh: Any, devices: Sequence[int] | None) ->
     return auto_kvcache_mb(replica, config.gpu_memory_utilization)
 
 
+def _default_cpu_cache(config: EngineConfig, mesh: Any) -> bool:
+    """Whether the replica's KV cache takes ``CPU_KVCACHE_MB`` (no ``--kvcache-mem``, on CPU)."""
+    if config.kvcache_mem_mb:
+        return False
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
+    return all(d.platform == "cpu" for d in devices)
+
+
 def _size_cache(
-    config: EngineConfig, model_config: Any, kv_dtype: Any, cache_mb: int
+    config: EngineConfig, model_config: Any, kv_dtype: Any, cache_mb: int, sized_as: Any = None
 ) -> tuple[int, int]:
-    """The KV cache's page count for ``cache_mb`` MB, and ``max_model_len`` capped by it."""
-    page_bytes = kv_cache_bytes(*model_config.cache_shapes(1, config.page_size), kv_dtype)
-    num_pages = max(cache_mb, 0) * 2**20 // page_bytes
+    """The KV cache's page count for ``cache_mb`` MB of ``sized_as`` pages (``kv_dtype``'s
+    unless given), and ``max_model_len`` capped by it."""
+    shapes = model_config.cache_shapes(1, config.page_size)
+    page_bytes = kv_cache_bytes(*shapes, kv_dtype)
+    sized_bytes = page_bytes if sized_as is None else kv_cache_bytes(*shapes, sized_as)
+    num_pages = max(cache_mb, 0) * 2**20 // sized_bytes
     capacity = num_pages * config.page_size
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
     if max_model_len < 16:

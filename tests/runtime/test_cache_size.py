@@ -51,3 +51,40 @@ def test_weights_that_leave_nothing_are_a_clear_error() -> None:
 
 def test_a_device_without_a_limit_falls_back_to_the_fixed_size() -> None:
     assert auto_kvcache_mb([FakeDevice("tpu", {})], 0.9) == CPU_KVCACHE_MB
+
+
+def test_auto_stores_float16_for_a_float32_model_under_int8_activations() -> None:
+    """llama.cpp's default cache: only where the projections multiply int8 activations (there
+    the integer dots keep a request's tokens independent of its batch with a 16-bit cache too)."""
+    import jax.numpy as jnp
+
+    from jax_llm_runtime.runtime.loading.builder import resolve_kv_cache_dtype
+
+    f32, f16, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)
+    assert resolve_kv_cache_dtype("auto", f32, int8_activations=True) == f16
+    assert resolve_kv_cache_dtype("auto", f32, int8_activations=False) == f32
+    assert resolve_kv_cache_dtype("auto", bf16, int8_activations=True) == bf16
+    assert resolve_kv_cache_dtype("float32", f32, int8_activations=True) == f32
+    assert resolve_kv_cache_dtype("bfloat16", f32) == bf16
+
+
+def test_the_default_cpu_cache_holds_float32s_tokens_in_any_dtype() -> None:
+    """``CPU_KVCACHE_MB`` counts float32 bytes: a float16 cache holds the same tokens in half."""
+    import jax.numpy as jnp
+
+    from jax_llm_runtime.models.registry import model_config_from_hf
+    from jax_llm_runtime.runtime.loading.builder import _size_cache
+
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    _, model_config = model_config_from_hf(hf)
+    f32, f16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
+    config = EngineConfig()
+    as_f32 = _size_cache(config, model_config, f32, 16)
+    sized_f16 = _size_cache(config, model_config, f16, 16, sized_as=f32)
+    own_f16 = _size_cache(config, model_config, f16, 16)
+    assert sized_f16 == as_f32  # (pages, max_model_len)
+    assert own_f16[0] == 2 * as_f32[0]  # --kvcache-mem: twice the pages in the same MB

@@ -59,10 +59,10 @@ def run_all(engine, jobs):
     return asyncio.run(main())
 
 
-@pytest.fixture(scope="module", params=["auto", "float16"])
+@pytest.fixture(scope="module", params=["float32", "auto"])
 def int8_engine(smollm2_gguf, request):
-    """The same model with int8 activations (``--matmul-dtype int8``), with a float32 and a
-    float16 KV cache."""
+    """The same model with int8 activations (``--matmul-dtype int8``), with a float32 KV cache
+    and the default one (float16 under int8 activations)."""
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
@@ -92,6 +92,14 @@ def test_int8_activations_are_batch_invariant_too(int8_engine, variant):
     do not depend on whether it decodes alone (greedy, and seeded sampling); the integer dots
     are exact per row, so a 16-bit cache's rounding keeps that too."""
     check_batch_invariance(int8_engine, variant)
+
+
+def test_the_default_kv_cache_under_int8_activations_is_float16(int8_engine, request):
+    import jax.numpy as jnp
+
+    requested = request.node.callspec.params["int8_engine"]
+    expected = jnp.float16 if requested == "auto" else jnp.float32
+    assert int8_engine.runner.cache.dtype == jnp.dtype(expected)
 
 
 def test_int8_greedy_tokens_are_the_same_alone_and_together(int8_engine):
