@@ -76,7 +76,9 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--cache-dtype", default="float32", choices=("float32", "bfloat16", "fp8"))
+    parser.add_argument(
+        "--cache-dtype", default="float32", choices=("float32", "float16", "bfloat16", "fp8")
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if not native.available():

@@ -40,6 +40,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -177,7 +180,7 @@ inline Vec Fp8ToFloat(const uint8_t* src) {
 // by those reads).
 enum class Elem { kF32, kF16, kBF16 };
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)) || defined(__aarch64__)
 constexpr bool kF16InRegisters = true;
 #else
 constexpr bool kF16InRegisters = false;  // F16 rows go through ConvertRow
@@ -204,6 +207,11 @@ inline Vec LoadAs(const void* row, int64_t c) {
 #elif defined(__AVX2__) && defined(__F16C__)
     return reinterpret_cast<Vec>(
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#elif defined(__aarch64__)
+    const float32x4_t wide = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src)));
+    Vec v;
+    std::memcpy(&v, &wide, sizeof v);
+    return v;
 #else  // not reached: without vector conversions F16 rows go through ConvertRow
     Vec v;
     for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(src[i]);
