@@ -33,7 +33,12 @@ TOPICS = [
 ]  # fmt: skip
 # SmolLM2 K/V take ~45 KiB per token in float32: 16 MiB hold 22 pages of 16 tokens, while 8
 # running sequences of up to ~80 tokens need up to 40, so sequences are preempted again and again.
-SERVER_ARGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kvcache-mem", "16"]
+# The cache is float32 on every CPU (the default is float16 where int8 activations run, which
+# would hold 45 pages and preempt nothing there).
+SERVER_ARGS = [
+    "--max-model-len", "256", "--max-num-seqs", "8", "--kvcache-mem", "16",
+    "--kv-cache-dtype", "float32",
+]  # fmt: skip
 MAX_RSS_GROWTH_MB = 64
 
 
