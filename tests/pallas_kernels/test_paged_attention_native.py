@@ -79,11 +79,11 @@ def test_matches_reference(shape, num_heads, num_kv_heads, window, soft_cap):
         (64, 16, jnp.float32, 1e-5),  # the unrolled head sizes
         (128, 8, jnp.float32, 1e-5),
         (24, 3, jnp.float32, 1e-5),  # rows padded to whole vectors, pages of 3
-        (64, 16, jnp.bfloat16, 2e-2),  # 16-bit rows whole vectors: widened as they load
+        (64, 16, jnp.bfloat16, 2e-2),  # converted to float32 rows first
         (32, 4, jnp.float16, 2e-3),
-        (128, 16, jnp.float16, 2e-3),
-        (24, 3, jnp.float16, 2e-3),  # 16-bit rows that do not fill vectors: converted first
-        (24, 3, jnp.bfloat16, 2e-2),
+        (128, 16, jnp.float16, 2e-3),  # float16 rows of 64 or 128: widened as they load
+        (64, 16, jnp.float16, 2e-3),
+        (24, 3, jnp.float16, 2e-3),  # rows that do not fill vectors: converted first
     ],
 )
 def test_head_sizes_page_sizes_and_dtypes(head_dim, page_size, dtype, tol):
