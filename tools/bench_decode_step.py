@@ -3,9 +3,9 @@ process.
 
 Single-stream decode on a bandwidth-bound device is the step's weight bytes; this isolates the
 step from the server (no HTTP, scheduling or sampling) so that formats compare on equal terms.
-The formats (and `--kv-cache-dtypes`) are timed in turn, round after round, so machine noise hits all of them alike; the
-best and median round per format are printed, with the ratio to the first format. The KV cache
-is donated to each step, as the server does.
+The formats (each with every `--kv-cache-dtypes` cache) are timed in turn, round after round,
+so machine noise hits all of them alike; the best and median round per format are printed,
+with the ratio to the first format. The KV cache is donated to each step, as the server does.
 
     .venv/bin/python tools/bench_decode_step.py --formats packed,packed-bf16 --num-seqs 1,16 \
         --prefill 128,512 --mixed 15+49,15+241

@@ -86,12 +86,11 @@ def resolve_kv_cache_dtype(
     scales ("fp8*"), or for "auto" the model dtype, except that a float32 model whose projections
     take int8 activations (``int8_activations``: ``takes_int8_activations``, the native CPU
     kernels' default where the CPU has integer dot products) stores float16, as llama.cpp's
-    default cache does. There the cache's
-    rounding leaves perplexity unchanged and, the integer dots being exact per row, a request's
-    tokens and logprobs still do not depend on its batch; it halves the bytes attention reads.
-    With float activations a 16-bit cache's rounding turns the float path's ~1e-7
-    batch-to-batch differences into ~5e-4 in logprobs, so such a model's "auto" stays float32
-    (BENCHMARKS.md)."""
+    default cache does. There the cache's rounding leaves perplexity unchanged and, the integer
+    dots being exact per row, a request's tokens and logprobs still do not depend on its batch;
+    it halves the bytes attention reads. With float activations a 16-bit cache's rounding turns
+    the float path's ~1e-7 batch-to-batch differences into ~5e-4 in logprobs, so such a model's
+    "auto" stays float32 (BENCHMARKS.md)."""
     if name == "auto":
         if int8_activations and jnp.dtype(model_dtype) == jnp.float32:
             return jnp.dtype(jnp.float16)
@@ -224,7 +223,7 @@ def _build_replica(
     )
     cache_mb = _cache_mb(config, mesh, devices) - _state_mb(config, model_config, dtype)
     # CPU_KVCACHE_MB counts float32 bytes: a 16-bit cache holds as many tokens in half of them.
-    sized_as = jnp.dtype(jnp.float32) if _default_cpu_cache(config, mesh) else kv_dtype
+    sized_as = jnp.dtype(jnp.float32) if _default_cpu_cache(config, mesh, devices) else kv_dtype
     num_pages, max_model_len = _size_cache(config, model_config, kv_dtype, cache_mb, sized_as)
     make_cache = _cache_maker(config, model_config, (kv_dtype, dtype), num_pages)
     abstract_cache = jax.eval_shape(make_cache)
@@ -405,21 +404,23 @@ def place_on_mesh(
     return model_config, weights
 
 
+def _replica_devices(mesh: Any, devices: Sequence[int] | None) -> list[Any]:
+    """The replica's devices: its mesh's, else the one device it runs on."""
+    return list(mesh.devices.flat) if mesh is not None else [jax.devices()[(devices or [0])[0]]]
+
+
 def _cache_mb(config: EngineConfig, mesh: Any, devices: Sequence[int] | None) -> int:
     """MB for the replica's KV cache: ``--kvcache-mem``, or what its devices leave
-    (``cache_size.auto_kvcache_mb``); a replica without a mesh has one device."""
+    (``cache_size.auto_kvcache_mb``)."""
     if config.kvcache_mem_mb:
         return config.kvcache_mem_mb
-    replica = list(mesh.devices.flat) if mesh is not None else [jax.devices()[(devices or [0])[0]]]
-    return auto_kvcache_mb(replica, config.gpu_memory_utilization)
+    return auto_kvcache_mb(_replica_devices(mesh, devices), config.gpu_memory_utilization)
 
 
-def _default_cpu_cache(config: EngineConfig, mesh: Any) -> bool:
+def _default_cpu_cache(config: EngineConfig, mesh: Any, devices: Sequence[int] | None) -> bool:
     """Whether the replica's KV cache takes ``CPU_KVCACHE_MB`` (no ``--kvcache-mem``, on CPU)."""
-    if config.kvcache_mem_mb:
-        return False
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
-    return all(d.platform == "cpu" for d in devices)
+    replica = _replica_devices(mesh, devices)
+    return not config.kvcache_mem_mb and all(d.platform == "cpu" for d in replica)
 
 
 def _size_cache(
