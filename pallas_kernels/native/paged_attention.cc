@@ -19,7 +19,7 @@
 // and unscaled float16 rows of 64 or 128 values are read in place (the float16
 // ones widened in registers); other rows are converted to a float32 buffer
 // first. (bfloat16 rows read in place were 1.4x faster too, but each in-place
-// type doubles the file's compile time, which a first start waits for.) While a block
+// type and head size adds template instances to a build a first start waits for.) While a block
 // is computed, the next block's rows are prefetched: pages are scattered, so
 // the hardware prefetcher cannot guess them. Items run on XLA's CPU thread
 // pool: the calling thread and the pool's threads take items from one atomic
@@ -222,7 +222,7 @@ struct Problem {
   ffi::DataType dtype;
   int64_t element_bytes;
   bool in_place;                // float32 rows of whole vectors without scales: read as they are
-  Elem elem;                    // how items read rows: kF32 unless 16-bit rows are read in place
+  Elem elem;                    // how items read rows: kF32 unless float16 rows are read in place
   const float* k_scales;        // [num_layers, num_pages, page_size, num_kv_heads] or null
   const float* v_scales;
   const int32_t* positions;     // [num_rows]
