@@ -11,6 +11,7 @@ DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GGUF block types (the same packed weights a GGUF file of that type gives) and per-channel int8.
 ISQ_CHOICES = (*ISQ_TYPES, "int8")
+PRECOMPILE_CHOICES = ("first", "all", "none")
 # auto: the model dtype; a float dtype: that one; fp8*: e4m3 + row scales
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
 # quantized projections' operands; auto: int8 on CPUs with integer dots, else the model dtype
@@ -91,6 +92,11 @@ class EngineConfig:
     tokens chose one (``runtime.parallel.expert_offload_plan``); 0 keeps every expert on the device.
     limit_mm_per_prompt is the most images one prompt of a vision-language model may hold
     (vLLM's --limit-mm-per-prompt); the image encoder compiles for batches up to it.
+    precompile says when the step shapes compile (``runtime.engine.core.Engine.start``): "first"
+    compiles what a lone request runs before serving and every other shape in the background;
+    "all" compiles every shape before serving (the slowest start; no step ever waits for a
+    compile); "none" compiles nothing ahead, each shape when a step first needs it (the fastest
+    start, for short jobs that run few shapes; the first steps of each shape wait).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -122,6 +128,7 @@ class EngineConfig:
     expert_parallel: bool = False
     num_experts_offload_per_rank: int = 0
     limit_mm_per_prompt: int = MAX_IMAGES_PER_PROMPT
+    precompile: str = "first"
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -152,6 +159,11 @@ class EngineConfig:
             raise ValueError(f"decode_steps must be 0 (auto) to 64, got {self.decode_steps}")
         self._check_prefill_chunk_size()
         _check_at_least("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
+        if self.precompile not in PRECOMPILE_CHOICES:
+            raise ValueError(
+                f"precompile must be one of {', '.join(PRECOMPILE_CHOICES)}, "
+                f"got {self.precompile!r}"
+            )
 
     def _check_device_settings(self) -> None:
         _check_at_least("kvcache_mem_mb (0: auto)", self.kvcache_mem_mb, 0)

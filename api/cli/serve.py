@@ -55,6 +55,7 @@ from jax_llm_runtime.runtime.config import (
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
     MATMUL_DTYPES,
+    PRECOMPILE_CHOICES,
     EngineConfig,
 )
 from jax_llm_runtime.runtime.multimodal.processor import MAX_IMAGES_PER_PROMPT
@@ -419,6 +420,15 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "decode, 8 on accelerators; 1 streams every token as it is sampled (default: %(default)s)",
     )
     add(
+        "--precompile",
+        choices=PRECOMPILE_CHOICES,
+        default="first",
+        help="when the step shapes compile: 'first' compiles what a lone request runs before "
+        "serving and the rest in the background; 'all' everything before serving; 'none' "
+        "nothing ahead, each shape when a step first needs it (fastest start, slower first "
+        "requests) (default: %(default)s)",
+    )
+    add(
         "--seed",
         type=int,
         default=0,
@@ -737,6 +747,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_chunk_size=args.prefill_chunk_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
+        precompile=args.precompile,
         isq=args.isq,
         kv_cache_dtype=args.kv_cache_dtype,
         matmul_dtype=args.matmul_dtype,

@@ -100,6 +100,9 @@ class CompiledShapes:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._compiled
 
+    def __len__(self) -> int:
+        return len(self._compiled)
+
     def get(self, key: Hashable) -> Any:
         """The executable for ``key``, compiling it now if nobody has yet."""
         executable = self._compiled.get(key)

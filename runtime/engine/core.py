@@ -72,8 +72,10 @@ class Engine:
         seed: int = 0,
         embedder: EmbeddingRunner | None = None,
         max_waiting: int = 0,
+        precompile: str = "first",
     ) -> None:
         self.runner = runner
+        self.precompile = precompile  # when the step shapes compile (EngineConfig.precompile)
         # Each kernel's implementation, {kernel: implementation}, set by the builder
         # (pallas_kernels.selection); /metrics reports it.
         self.kernel_choices: dict[str, str] = {}
@@ -100,13 +102,35 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, compile_all: bool = False, loop: bool = True) -> None:
-        """Compile what the first requests need, start the loop thread, and compile every other
-        bucket on a background thread (before returning when ``compile_all``). Without ``loop``
-        only the compiling happens: a multi-node follower replays the leader's calls instead."""
-        if self._thread is not None or self._compiler is not None:
+        """Compile ahead as ``precompile`` says (``compile_all`` overrides it with "all"): what
+        the first requests need before returning and every other bucket on a background thread
+        ("first"), everything before returning ("all"), or nothing, each shape then compiling
+        when a step first needs it ("none"). Then start the loop thread. Without ``loop`` only
+        the compiling happens: a multi-node follower replays the leader's calls instead."""
+        if self._thread is not None or self._compiler is not None or self.compile_done.is_set():
             return
+        mode = "all" if compile_all else self.precompile
+        background = self._compile_ahead(mode)
+        self.runner.compile_on_demand = mode == "none"
+        if loop:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        if not any(keys for _, keys in background):
+            self.compile_done.set()
+            return
+        self._compiler = threading.Thread(
+            target=self._compile_background, args=(background,), name="compile", daemon=True
+        )
+        self._compiler.start()
+
+    def _compile_ahead(self, mode: str) -> list[tuple[CompiledShapes, list]]:
+        """Compile what ``mode`` compiles before serving; return what is left for the
+        background thread."""
+        if mode == "none":
+            logger.info("no step shape compiled ahead: each compiles when a step first needs it")
+            return []
         first, rest = self.runner.startup_shapes()
-        if compile_all:
+        if mode == "all":
             first, rest = first + rest, []
         seconds = self.runner.compiled.compile_now(first)
         logger.info(
@@ -117,12 +141,12 @@ class Engine:
         )
         background = [(self.runner.compiled, rest)]
         images = self.runner.images
-        if images is not None and compile_all:
+        if images is not None and mode == "all":
             images.compiled.compile_now(images.keys())
         elif images is not None:
             background.insert(0, (images.compiled, images.keys()))
         if self.embedder is not None:
-            if compile_all:
+            if mode == "all":
                 seconds = self.embedder.compiled.compile_now(self.embedder.keys())
                 logger.info(
                     "compiled %d cache-free forward shapes in %.1fs",
@@ -131,13 +155,7 @@ class Engine:
                 )
             else:
                 background.append((self.embedder.compiled, self.embedder.keys()))
-        if loop:
-            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-            self._thread.start()
-        self._compiler = threading.Thread(
-            target=self._compile_background, args=(background,), name="compile", daemon=True
-        )
-        self._compiler.start()
+        return background
 
     def _compile_background(self, work: list[tuple[CompiledShapes, list]]) -> None:
         t0 = time.perf_counter()

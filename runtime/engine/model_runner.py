@@ -101,6 +101,9 @@ class ModelRunner:
             donate_argnums=(2,),
         )
         self.compiled = CompiledShapes("step shapes", self._lower)
+        # True when nothing compiles ahead (EngineConfig.precompile "none"): a multi-step bucket
+        # then compiles when a batch first asks for it, like every other shape.
+        self.compile_on_demand = False
         # These keep the cache's sharding too, so the compiled steps take what they return.
         fill = functools.partial(_keeping, _fill_pages, cache_sharding)
         self._fill = jax.jit(fill, donate_argnums=(0,))
@@ -160,13 +163,15 @@ class ModelRunner:
         """Run one call; return the tokens sampled for every scheduled sequence, in order.
 
         A multi-step batch runs ``batch.num_steps`` steps in one call once that bucket is
-        compiled, else one step (the scheduler takes however many tokens come back). Logprobs
+        compiled (or, with ``compile_on_demand``, compiling it now), else one step (the
+        scheduler takes however many tokens come back). Logprobs
         are copied to the host only when a sequence that samples in this step asked.
         """
         if batch.state_copies:
             self.copy_state_slots(batch.state_copies)
         step_batch, meta = self._prepare(batch)
-        steps = batch.num_steps if _key(step_batch, batch.num_steps) in self.compiled else 1
+        key = _key(step_batch, batch.num_steps)
+        steps = batch.num_steps if self.compile_on_demand or key in self.compiled else 1
         if steps > 1:
             tokens, _ = self.execute(step_batch, meta, steps)
             return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())

@@ -276,6 +276,7 @@ def _engine(
         seed=config.seed,
         embedder=embedder,
         max_waiting=config.max_waiting,
+        precompile=config.precompile,
     )
 
 

@@ -96,7 +96,7 @@ def server(
     engine = build_engine(
         EngineConfig(
             model_id=str(folder), max_num_seqs=2, max_model_len=96, dtype="float32",
-            page_size=8, kvcache_mem_mb=1, limit_mm_per_prompt=MAX_IMAGES,
+            page_size=8, kvcache_mem_mb=1, limit_mm_per_prompt=MAX_IMAGES, precompile="none",
         )
     )  # fmt: skip
     media = MediaConfig(

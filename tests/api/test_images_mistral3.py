@@ -38,7 +38,7 @@ def server(mistral3_vision_checkpoint) -> Iterator[tuple]:
     engine = build_engine(
         EngineConfig(
             model_id=str(folder), max_num_seqs=2, max_model_len=128, dtype="float32",
-            page_size=8, kvcache_mem_mb=1,
+            page_size=8, kvcache_mem_mb=1, precompile="none",
         )
     )  # fmt: skip
     with serve_in_thread(create_app(engine)) as url:

@@ -25,6 +25,7 @@ def run(folder: str, dp: int, tp: int) -> dict:
         dtype="float32",
         tensor_parallel_size=tp,
         data_parallel_size=dp,
+        precompile="none",  # the few shapes these requests run, when they first run
     )
     engine = build_engine(config)
     engine.start()

@@ -20,7 +20,12 @@ from jax_llm_runtime.runtime.parallel.sharding import build_mesh
 from tests.runtime.tensor_parallel_run import PROMPTS, greedy_tokens
 
 FIELDS = dict(
-    max_num_seqs=4, max_model_len=128, kvcache_mem_mb=4, dtype="float32", tensor_parallel_size=4
+    max_num_seqs=4,
+    max_model_len=128,
+    kvcache_mem_mb=4,
+    dtype="float32",
+    tensor_parallel_size=4,
+    precompile="none",  # the few shapes these requests run, when they first run
 )
 
 

@@ -49,6 +49,7 @@ def run(folder: str, size: int, extra: dict) -> dict:
             kvcache_mem_mb=4,
             dtype="float32",
             tensor_parallel_size=size,
+            precompile="none",  # the few shapes these requests run, when they first run
             # One device would take int8 activations on CPUs with integer dots (auto), a mesh
             # the model dtype: every size computes with the same numbers.
             **{"matmul_dtype": "model", **extra},

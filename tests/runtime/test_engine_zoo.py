@@ -66,7 +66,13 @@ def test_engine_greedy_matches_hf(tmp_path: Path, name: str, hf_config) -> None:
     hf_model = save_random_model(hf_config, tmp_path)
     save_byte_tokenizer(tmp_path)
     engine = build_engine(
-        EngineConfig(model_id=str(tmp_path), max_num_seqs=4, max_model_len=64, dtype="float32")
+        EngineConfig(
+            model_id=str(tmp_path),
+            max_num_seqs=4,
+            max_model_len=64,
+            dtype="float32",
+            precompile="none",
+        )
     )
     engine.start()
     try:

@@ -59,6 +59,7 @@ def _run(folder: Path, kv_cache_dtype: str):
         prefill_chunk_size=16,
         dtype="float32",
         kv_cache_dtype=kv_cache_dtype,
+        precompile="none",
     )
     engine = build_engine(config)
     engine.start()

@@ -49,6 +49,7 @@ def engine(gemma3_gguf: Path):
             max_model_len=256,
             dtype="float32",
             matmul_dtype="model",  # HF's float numbers, not the int8 activations of VNNI CPUs
+            precompile="none",  # the shapes these requests run, when they first run
         )
     )
     engine.start()

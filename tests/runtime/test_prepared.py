@@ -30,7 +30,9 @@ from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 from tests.runtime.tensor_parallel_run import PROMPTS, greedy_tokens
 from tests.serve_process import REPO_ROOT
 
-SMALL = dict(max_num_seqs=4, max_model_len=128, kvcache_mem_mb=4, dtype="float32")
+SMALL = dict(
+    max_num_seqs=4, max_model_len=128, kvcache_mem_mb=4, dtype="float32", precompile="none"
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ each context's single steps before its multi-step decode, losing no shape."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -16,22 +17,46 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig
-
-    from jax_llm_runtime.runtime.config import EngineConfig
-    from jax_llm_runtime.runtime.loading.builder import build_engine
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(**{**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256})
     config.eos_token_id = None
     save_random_model(config, folder)
     save_byte_tokenizer(folder)
-    engine = build_engine(
-        EngineConfig(model_id=str(folder), max_num_seqs=4, max_model_len=128, dtype="float32")
+    return folder
+
+
+def _build(folder: Path, **fields: object):
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    return build_engine(
+        EngineConfig(
+            model_id=str(folder), max_num_seqs=4, max_model_len=128, dtype="float32", **fields
+        )
     )
+
+
+@pytest.fixture(scope="module")
+def engine(folder: Path):
+    engine = _build(folder)
     yield engine
     engine.shutdown()
+
+
+def _greedy(engine, text: str, max_tokens: int) -> list[int]:
+    ids = engine.tokenizer.encode(text)
+
+    async def one() -> list[int]:
+        tokens: list[int] = []
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        async for delta in engine.generate(ids, sampling, f"greedy-{text}"):
+            tokens += delta.token_ids
+        return tokens
+
+    return asyncio.run(one())
 
 
 def test_ready_with_one_requests_shapes_and_the_rest_in_order(engine) -> None:
@@ -75,3 +100,28 @@ def test_a_lone_request_is_served_by_the_startup_shapes(engine) -> None:
     assert len(asyncio.run(one())) == 6
     single = [key for key in requested if key[3] == 1]
     assert single and all(key in first for key in single), (single, first)
+
+
+def test_precompile_none_compiles_each_shape_when_a_step_needs_it(engine, folder: Path) -> None:
+    """``--precompile none``: the start compiles nothing; a request still runs, its single and
+    multi-step decode shapes compiling as its steps first ask, with the default start's tokens."""
+    engine.start()
+    lazy = _build(folder, precompile="none")
+    try:
+        lazy.start()
+        assert len(lazy.runner.compiled) == 0 and lazy.compile_done.is_set()
+        tokens = _greedy(lazy, "a short prompt", 10)
+        assert tokens == _greedy(engine, "a short prompt", 10)
+        _, rest = lazy.runner.startup_shapes()
+        multi = [key for key in rest if key[3] > 1]
+        assert any(key in lazy.runner.compiled for key in multi), "a multi-step decode ran"
+        assert 0 < len(lazy.runner.compiled) <= 4  # a prompt chunk and the decode shapes
+    finally:
+        lazy.shutdown()
+
+
+def test_precompile_is_checked() -> None:
+    from jax_llm_runtime.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="precompile must be one of first, all, none"):
+        EngineConfig(precompile="lazy")
