@@ -97,6 +97,8 @@ class PagedRunner:
     def step(self, new_tokens: list[list[int]]) -> np.ndarray:  # [num_seqs, vocab] float32
         """Append ``new_tokens[i]`` (maybe none) to sequence i; logits at each one's last token."""
         q_len = max(1, max(len(t) for t in new_tokens))
+        if q_len > 1:  # prefill steps padded to whole chunks: fewer shapes to compile
+            q_len = -(-q_len // PREFILL_CHUNK) * PREFILL_CHUNK
         num_seqs = len(new_tokens)
         tokens = np.zeros((num_seqs, q_len), np.int32)
         positions = np.zeros((num_seqs, q_len), np.int32)
