@@ -116,6 +116,7 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
             self._thread.start()
         if not any(keys for _, keys in background):
+            release_freed_memory()
             self.compile_done.set()
             return
         self._compiler = threading.Thread(
