@@ -59,20 +59,26 @@ def load(
     rules: Sequence[WeightRule],
 ) -> ModelWeights:
     """Checkpoint tensors (HF names, mapped by ``rules``) -> the split model ``forward`` takes."""
-    shapes, first_layer = checkpoint_shapes(Decoder(cfg, dtype))
+    stacks = checkpoint_shapes(Decoder(cfg, dtype))
+    shapes, first_layer, variants = stacks
+    fields = {_field(name): name for name in shapes}
     # int8 quantizes float weights on the device (``_device``): packed ones come dequantized.
     packing = Packing(
-        fields=frozenset() if cfg.quantization == "int8" else PACKED_FIELDS & shapes.keys(),
+        fields=frozenset()
+        if cfg.quantization == "int8"
+        else frozenset(name for name in shapes if _field(name) in PACKED_FIELDS),
         quantize=packer(cfg.quantization) if cfg.quantization in ISQ_TYPES else None,
     )
     head: dict[str, HostPacked] = {}
     tensors = _keep_packed_head(cfg, tensors, rules, head)
-    host = load_host_weights(shapes, rules, tensors, dtype, num_tensors, first_layer, packing)
-    quantized = {name for name, value in host.items() if isinstance(value, HostPacked)}
+    host = load_host_weights(
+        shapes, rules, tensors, dtype, num_tensors, first_layer, packing, variants
+    )
+    quantized = {_field(name) for name, value in host.items() if isinstance(value, HostPacked)}
     if cfg.quantization == "int8":
-        quantized |= QUANTIZED_FIELDS & host.keys()
+        quantized |= QUANTIZED_FIELDS & fields.keys()
     model = Decoder(cfg, dtype, frozenset(quantized), packed_head=bool(head))
-    values = _fill(cfg, model, host, first_layer, head)
+    values = _fill(cfg, model, host, stacks, head)
     return ModelWeights(nnx.graphdef(model), nested(values))
 
 
@@ -91,13 +97,27 @@ def load_renamed(
     return load(cfg, named, dtype, num_tensors, rules=rules)
 
 
-def checkpoint_shapes(
-    model: Decoder,
-) -> tuple[dict[str, tuple[int, ...]], dict[str, LayerSlots]]:
+# A field's stack for the layers whose shape differs from the field's first layers' (see
+# ``checkpoint_shapes``) is named ``<field>@<first layer of the stack>``.
+_STACK = "@"
+
+
+def _field(stack: str) -> str:
+    """The field a stack of ``checkpoint_shapes`` holds."""
+    return stack.split(_STACK)[0]
+
+
+Stacks = tuple[dict[str, tuple[int, ...]], dict[str, LayerSlots], dict[str, dict[int, str]]]
+
+
+def checkpoint_shapes(model: Decoder) -> Stacks:
     """Every field's shape as the checkpoint fills it (a segment's field stacked over all the
-    layers that declare it; an expert stack with all its experts, offloaded or not), and where
-    each stacked field's layers sit in its stack: the layer it starts at when its segments are
-    contiguous, else each declaring layer's slot (MoE layers alternating with dense ones)."""
+    layers that declare it; an expert stack with all its experts, offloaded or not), where each
+    stacked field's layers sit in its stack (the layer it starts at when its segments are
+    contiguous, else each declaring layer's slot: MoE layers alternating with dense ones), and
+    the stacks of fields whose layers differ in shape: a field is one stack per shape (Gemma 4's
+    wider MLPs in its last layers), each layer's named in ``variants[field][layer]``
+    (``models.weights.load_host_weights``)."""
     offload = model.cfg.moe.offload if model.cfg.moe is not None else None
     shapes: dict[str, tuple[int, ...]] = {}
     runs: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
@@ -113,49 +133,61 @@ def checkpoint_shapes(
         segment = model.segments[path[1]]
         runs.setdefault(name, []).append((segment.start, segment.end, shape))
     first: dict[str, LayerSlots] = {}
+    variants: dict[str, dict[int, str]] = {}
     for name, parts in runs.items():
         parts.sort()
-        layers = [layer for start, end, _ in parts for layer in range(start, end)]
-        contiguous = all(end == start for (_, end, _), (start, _, _) in itertools.pairwise(parts))
-        first[name] = parts[0][0] if contiguous else {layer: i for i, layer in enumerate(layers)}
-        shapes[name] = (len(layers), *parts[0][2][1:])
-    return shapes, first
+        by_shape: dict[tuple[int, ...], list[tuple[int, int, tuple[int, ...]]]] = {}
+        for part in parts:
+            by_shape.setdefault(part[2][1:], []).append(part)
+        for group in by_shape.values():
+            stack = name if group[0] is parts[0] else f"{name}{_STACK}{group[0][0]}"
+            layers = [layer for start, end, _ in group for layer in range(start, end)]
+            pairs = itertools.pairwise(group)
+            contiguous = all(end == start for (_, end, _), (start, _, _) in pairs)
+            first[stack] = group[0][0] if contiguous else {n: i for i, n in enumerate(layers)}
+            shapes[stack] = (len(layers), *group[0][2][1:])
+            if stack != name:
+                variants.setdefault(name, {}).update(dict.fromkeys(layers, stack))
+    return shapes, first, variants
 
 
 def _fill(
     cfg: DecoderConfig,
     model: Decoder,
     host: dict[str, np.ndarray | HostPacked],
-    first_layer: dict[str, LayerSlots],
+    stacks: Stacks,
     head: dict[str, HostPacked],
 ) -> list[tuple[Path, Any]]:
     """Every declared parameter's path with its value on the device. Each host array is dropped once
     it is there, so host memory peaks near one copy of the weights."""
-    by_field: dict[str, list[tuple[Path, nnx.Variable]]] = {}
+    _, first_layer, variants = stacks
+    by_stack: dict[str, list[tuple[Path, nnx.Variable]]] = {}
     for path, var in params(model):
         name = var.get_metadata("field")
         base = name[: -len(HOST_SUFFIX)] if var.has_metadata("memory_kind") else name
-        by_field.setdefault(base, []).append((path, var))
+        if path[0] == "segments":
+            base = variants.get(base, {}).get(model.segments[path[1]].start, base)
+        by_stack.setdefault(base, []).append((path, var))
     values = []
     if head:
         host.pop("lm_head", None)  # the float head the loader made of it: replaced
-        ((path, var),) = by_field.pop("lm_head")
+        ((path, var),) = by_stack.pop("lm_head")
         values.append((path, _checked(var, head["lm_head"].to_device())))
     for name in list(host):
         array = host.pop(name)
         cut: dict[int, Any] = {}
-        for path, var in by_field.pop(name):
+        for path, var in by_stack.pop(name):
             value = array
             if path[0] == "segments":
                 value = cut.get(path[1])
                 if value is None:
-                    value = cut[path[1]] = _segment_part(cfg, model, path[1], name, array,
-                                                         first_layer[name])  # fmt: skip
+                    value = cut[path[1]] = _segment_part(cfg, model, path[1], _field(name),
+                                                         array, first_layer[name])  # fmt: skip
             if isinstance(value, tuple):  # expert stacks: (resident, offloaded)
                 value = value[1 if var.has_metadata("memory_kind") else 0]
-            values.append((path, _checked(var, _device(cfg, var, name, value))))
-    if by_field:
-        raise WeightLoadError(f"no checkpoint value for the declared fields {sorted(by_field)}")
+            values.append((path, _checked(var, _device(cfg, var, _field(name), value))))
+    if by_stack:
+        raise WeightLoadError(f"no checkpoint value for the declared fields {sorted(by_stack)}")
     return values
 
 

@@ -36,8 +36,8 @@ from flax import nnx
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.isq import ISQ_TYPES
 from jax_llm_runtime.models.layers.attention import AttentionConfig, LayerMeta
-from jax_llm_runtime.models.layers.decoder_layer import DecoderLayer, Segment
-from jax_llm_runtime.models.layers.embed import Embed
+from jax_llm_runtime.models.layers.decoder_layer import DecoderLayer, Segment, shared_rows
+from jax_llm_runtime.models.layers.embed import Embed, PerLayerInputs
 from jax_llm_runtime.models.layers.linear import OPERAND_DTYPES, int8_operands, projection
 from jax_llm_runtime.models.layers.linear_attention import (
     LINEAR_ATTENTION_QUANTIZED,
@@ -73,7 +73,11 @@ class DecoderConfig:
     the MLP with mixture-of-experts; the others keep the dense MLP of ``intermediate_size``.
     Layers flagged in ``linear_layers`` replace attention with ``linear_attention`` (Gated
     DeltaNet: a state slot per sequence instead of K/V pages; Qwen3-Next, Qwen3.5); the KV
-    cache then holds only the other layers."""
+    cache then holds only the other layers. A layer whose ``kv_sources`` entry is an earlier
+    layer attends to that layer's K/V and has neither K/V projections nor a cache slot of its own
+    (Gemma 4's KV sharing). With ``per_layer_input_size``, each layer also reads an input of its
+    own derived from the token and its embedding (Gemma 4's per-layer embeddings:
+    ``models.layers.embed.PerLayerInputs``)."""
 
     vocab_size: int
     hidden_size: int
@@ -103,6 +107,13 @@ class DecoderConfig:
     moe_beside_mlp: bool = False  # MoE layers keep the dense MLP too, beside the experts (Gemma 4)
     linear_attention: LinearAttentionConfig | None = None
     linear_layers: tuple[bool, ...] = ()
+    # One index per layer, or empty (each its own): the layer whose K/V each layer attends to.
+    kv_sources: tuple[int, ...] = ()
+    # One MLP width per layer, or empty (``intermediate_size`` everywhere): Gemma 4's KV-sharing
+    # layers may have MLPs twice as wide (``use_double_wide_mlp``).
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    per_layer_input_size: int = 0  # width of each layer's per-layer input (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer embedding table
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
@@ -125,11 +136,15 @@ class DecoderConfig:
         if self.moe_layers and self.moe is None:
             raise ValueError("moe_layers needs a moe config")
         self._check_linear_layers()
-        names = ("sliding_layers", "chunked_layers", "nope_layers", "moe_layers", "linear_layers")
+        names = (
+            "sliding_layers", "chunked_layers", "nope_layers", "moe_layers", "linear_layers",
+            "kv_sources", "layer_intermediate_sizes",
+        )  # fmt: skip
         for name in names:
             flags = getattr(self, name)
             if flags and len(flags) != self.num_layers:
                 raise ValueError(f"{len(flags)} {name} flags for {self.num_layers} layers")
+        self._check_kv_sources()
         if any(self.chunked_layers) and getattr(self.attention, "attention_chunk", None) is None:
             raise ValueError("chunked layers need an attention_chunk")
         if self.quantization not in QUANTIZATIONS:
@@ -154,6 +169,53 @@ class DecoderConfig:
         if self.linear_layers and all(self.linear_layers):
             raise ValueError("a model needs at least one full-attention layer")
 
+    def _check_kv_sources(self) -> None:
+        if not self.kv_sources:
+            return
+        if isinstance(self.attention, MLAConfig):
+            raise ValueError("layers that reuse another layer's K/V need plain attention")
+        linear = self.linear_layers or (False,) * self.num_layers
+        for i, source in enumerate(self.kv_sources):
+            if source == i:
+                continue
+            if not 0 <= source < i or self.kv_sources[source] != source or linear[source]:
+                raise ValueError(
+                    f"layer {i} reuses the K/V of layer {source}, which is not an earlier layer "
+                    "with K/V of its own"
+                )
+
+    def reuses_kv(self, layer: int) -> bool:
+        """Whether ``layer`` attends to an earlier layer's K/V (and has none of its own)."""
+        return bool(self.kv_sources) and self.kv_sources[layer] != layer
+
+    @property
+    def first_reusing_layer(self) -> int | None:
+        """The first of the last layers when every one of them reuses an earlier layer's K/V
+        (Gemma 4's KV-sharing layers), else None."""
+        first = self.num_layers
+        while first > 0 and self.reuses_kv(first - 1):
+            first -= 1
+        return first if first < self.num_layers else None
+
+    def intermediate_size_of(self, layer: int) -> int:
+        """The width of ``layer``'s dense MLP."""
+        sizes = self.layer_intermediate_sizes
+        return sizes[layer] if sizes else self.intermediate_size
+
+    def kv_slots(self) -> tuple[int, ...]:
+        """Each layer's slot in its cache: among the layers with K/V pages (a layer that reuses
+        another's K/V: its source's), or among the linear-attention layers."""
+        linear = self.linear_layers or (False,) * self.num_layers
+        slots: list[int] = []
+        counts = {True: 0, False: 0}
+        for i in range(self.num_layers):
+            if self.reuses_kv(i):
+                slots.append(slots[self.kv_sources[i]])
+                continue
+            slots.append(counts[linear[i]])
+            counts[linear[i]] += 1
+        return tuple(slots)
+
     @property
     def num_kv_heads(self) -> int:
         """KV heads per cache row (1 for MLA's shared latent)."""
@@ -177,8 +239,10 @@ class DecoderConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with K/V pages (all but the linear-attention layers)."""
-        return self.num_layers - sum(self.linear_layers)
+        """Layers with K/V pages (all but the linear-attention layers and those that reuse
+        another layer's K/V)."""
+        reusing = sum(self.reuses_kv(i) for i in range(self.num_layers))
+        return self.num_layers - sum(self.linear_layers) - reusing
 
     @property
     def num_linear_layers(self) -> int:
@@ -187,17 +251,22 @@ class DecoderConfig:
 
     @property
     def segments(self) -> tuple[tuple[int, int, bool], ...]:
-        """``(start, end, is_moe)`` runs of alike layers (alike in their feed-forward block and,
-        see ``linear_layers``, their attention), each scanned separately."""
+        """``(start, end, is_moe)`` runs of alike layers (alike in their feed-forward block, its
+        width, and their attention: see ``linear_layers`` and ``kv_sources``), each scanned
+        separately."""
         n = self.num_layers
         if self.moe is None:
             flags: tuple[bool, ...] = (False,) * n
         else:
             flags = self.moe_layers or tuple(i >= self.first_moe_layer for i in range(n))
         linear = self.linear_layers or (False,) * n
+
+        def kind(i: int) -> tuple:
+            return linear[i], self.reuses_kv(i), self.intermediate_size_of(i)
+
         runs: list[tuple[int, int, bool]] = []
         for i, is_moe in enumerate(flags):
-            if runs and runs[-1][2] == is_moe and linear[i] == linear[i - 1]:
+            if runs and runs[-1][2] == is_moe and kind(i) == kind(i - 1):
                 runs[-1] = (runs[-1][0], i + 1, is_moe)
             else:
                 runs.append((i, i + 1, is_moe))
@@ -236,6 +305,12 @@ class Decoder(nnx.Module):
         self.quantized, self.packed_head = frozenset(quantized), packed_head
         h = cfg.hidden_size
         self.embed = Embed(cfg.vocab_size, h, dtype, cfg.embed_scale)
+        width = cfg.per_layer_input_size
+        self.per_layer = (
+            PerLayerInputs(cfg.per_layer_vocab_size, h, cfg.num_layers, width, cfg.norm, dtype)
+            if width
+            else None
+        )
         self.segments = nnx.List([Segment(cfg, *run, dtype, quantized) for run in cfg.segments])
         self.final_norm = Norm(cfg.norm, (h,), (EMBED,), dtype, "final_norm")
         tied = cfg.tie_word_embeddings
@@ -272,13 +347,17 @@ class Decoder(nnx.Module):
         if batch.embeds is not None:  # image soft tokens replace their placeholders' embeddings
             x = jnp.where(batch.embed_rows[:, None], batch.embeds.astype(x.dtype), x)
         valid = batch.valid  # [num_tokens]
+        per_layer = None if self.per_layer is None else self.per_layer(batch.tokens, x)
 
         def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:
             x, cache = carry
             return layer.paged(x, cache, meta, batch, valid, cfg.native_kernels)
 
         for segment in self.segments:
-            x, cache = segment.scan(cfg, step, (x, cache))
+            if segment.start == cfg.first_reusing_layer and not batch.decode_rows:
+                x, per_layer, batch = _last_rows_only(x, per_layer, batch)
+                valid = batch.valid
+            x, cache = segment.scan(cfg, step, (x, cache), per_layer)
         h = x[batch.last_rows]  # [num_seqs, hidden]
         return self.logits(self.final_norm(h)), cache
 
@@ -289,14 +368,22 @@ class Decoder(nnx.Module):
         lengths: jax.Array,  # [num_seqs] int32
     ) -> jax.Array:  # [num_seqs, seq_len, hidden] float32
         """See ``hidden_states``."""
+        cfg = self.cfg
         x = self.embed(tokens)
         valid = jnp.arange(x.shape[1]) < lengths[:, None]  # [num_seqs, seq_len]
+        per_layer = None if self.per_layer is None else self.per_layer(tokens, x)
+        shared = None  # the K/V of the layers that others reuse (``causal_self_attention``)
+        if cfg.kv_sources:
+            rows = sum(r >= 0 for r in set(shared_rows(cfg)))
+            shape = (rows, *tokens.shape, cfg.num_kv_heads, cfg.head_dim)
+            shared = (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
 
-        def step(layer: DecoderLayer, x: jax.Array, meta: LayerMeta) -> jax.Array:
-            return layer.causal(x, positions, lengths, meta, valid)
+        def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:
+            x, shared = carry
+            return layer.causal(x, positions, lengths, meta, valid, shared)
 
         for segment in self.segments:
-            x = segment.scan(self.cfg, step, x)
+            x, shared = segment.scan(cfg, step, (x, shared), per_layer)
         return self.final_norm(x).astype(jnp.float32)
 
     def logits(self, h: jax.Array) -> jax.Array:  # [..., hidden] -> [..., vocab] float32
@@ -318,6 +405,25 @@ class Decoder(nnx.Module):
         if cfg.final_soft_cap is not None:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits
+
+
+def _last_rows_only(
+    x: jax.Array,  # [num_tokens, hidden]
+    per_layer: jax.Array | None,  # [num_layers, num_tokens, width]
+    batch: StepBatch,
+) -> tuple[jax.Array, jax.Array | None, StepBatch]:
+    """The step narrowed to each sequence's last new row, as a decode step's layout: from the
+    first of a model's last layers that reuse earlier layers' K/V on, the other rows feed
+    nothing (those layers write no K/V), so a prompt chunk runs them for one row."""
+    rows, real = batch.last_rows, batch.q_lens > 0
+    seqs = jnp.arange(batch.num_seqs, dtype=jnp.int32)
+    q_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)])
+    narrow = batch.replace(
+        tokens=batch.tokens[rows], positions=batch.positions[rows], seq_ids=seqs, valid=real,
+        q_starts=q_starts, last_rows=seqs, decode_rows=True, embeds=None, embed_rows=None,
+        horizons=None if batch.horizons is None else batch.horizons[rows],
+    )  # fmt: skip
+    return x[rows], None if per_layer is None else per_layer[:, rows], narrow
 
 
 def packed_head_for(cfg: DecoderConfig, rows: int) -> bool:

@@ -103,6 +103,7 @@ def load_host_weights(
     num_tensors: int | None = None,
     first_layer: Mapping[str, LayerSlots] | None = None,
     packing: Packing = Packing(),
+    variants: Mapping[str, Mapping[int, str]] | None = None,
 ) -> dict[str, np.ndarray | HostPacked]:
     """Like ``load_weights`` but returns host (numpy) arrays, and ``HostPacked`` for the fields
     that ``packing`` keeps packed.
@@ -110,24 +111,30 @@ def load_host_weights(
     ``first_layer[field]`` is the layer a stacked field starts at: a field that exists only for
     layers k.. (DeepSeek's experts after its dense layers) has a leading axis of n - k. It may
     instead map each layer that has the field to its slot (``layer_slot``).
+
+    A field whose layers differ in shape (Gemma 4's wider MLPs in its last layers) is held in
+    one stack per shape: ``variants[field][layer]`` names the stack (a key of ``shapes``) of
+    each of its layers that is not in the stack named ``field``.
     """
     host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
     packed: dict[str, dict[tuple[int, ...], HostPacked]] = {name: {} for name in packing.fields}
     filled: dict[str, set[tuple[int, ...]]] = {name: set() for name in shapes}
     depth: dict[str, int] = {}
-    offsets = first_layer or {}
+    offsets, variants = first_layer or {}, variants or {}
     for key, array in tqdm(
         tensors, total=num_tensors, desc="Loading weights", unit="tensor", leave=False
     ):
         rule, match = _find_rule(rules, key)
         if not rule.fields:
             continue  # a name the architecture ignores (a vision tower, a cached rope table)
-        for field in rule.fields:
+        layer = int(match.group(1)) if rule.per_layer else -1
+        targets = tuple(variants.get(f, {}).get(layer, f) for f in rule.fields)
+        for field in targets:
             if field not in host:
                 raise WeightLoadError(f"checkpoint key {key!r} maps to unknown field {field!r}")
-        value = _prepare(array, rule, all(f in packed for f in rule.fields), packing)
-        pieces = _split(key, rule, value, host) if len(rule.fields) > 1 else [value]
-        for field, piece in zip(rule.fields, pieces, strict=True):
+        value = _prepare(array, rule, all(f in packed for f in targets), packing)
+        pieces = _split(key, rule, value, host, targets) if len(targets) > 1 else [value]
+        for field, piece in zip(targets, pieces, strict=True):
             index: tuple[int, ...] = ()
             if rule.per_layer:
                 index = tuple(int(g) for g in match.groups())
@@ -216,15 +223,17 @@ def _split(
     rule: WeightRule,
     value: np.ndarray | HostPacked,
     host: Mapping[str, np.ndarray],
+    targets: tuple[str, ...],
 ) -> list[np.ndarray] | list[HostPacked]:
-    """Cut a fused torch ``[out, in]`` tensor (or a packed ``[in, out]`` one) into the fields'
-    output widths; an interleaved one into every n-th output column."""
+    """Cut a fused torch ``[out, in]`` tensor (or a packed ``[in, out]`` one) into the output
+    widths of the fields' stacks ``targets``; an interleaved one into every n-th output
+    column."""
     if rule.interleaved:
-        return _split_interleaved(key, rule, value, host)
+        return _split_interleaved(key, rule, value, host, targets)
     # The output axis of each field: its last if transposed, else the one the tensor's first
     # axis fills (a linear weight's [out, in], a convolution's [channels, 1, kernel]).
     back = -1 if rule.transpose else (-2 if isinstance(value, HostPacked) else -value.ndim)
-    sizes = [host[f].shape[back] for f in rule.fields]
+    sizes = [host[f].shape[back] for f in targets]
     rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
     if rows != sum(sizes):
         raise WeightLoadError(
@@ -241,9 +250,10 @@ def _split_interleaved(
     rule: WeightRule,
     value: np.ndarray | HostPacked,
     host: Mapping[str, np.ndarray],
+    targets: tuple[str, ...],
 ) -> list[np.ndarray] | list[HostPacked]:
-    n = len(rule.fields)
-    sizes = [host[f].shape[-1] for f in rule.fields]
+    n = len(targets)
+    sizes = [host[f].shape[-1] for f in targets]
     shape = value.codes.shape if isinstance(value, HostPacked) else value.shape
     if len(set(sizes)) != 1 or shape[-1] != sum(sizes):
         raise WeightLoadError(

@@ -16,7 +16,12 @@ experts side by side (``DecoderConfig.moe_beside_mlp``): the router reads the re
 RMS-normed and scaled, picks ``top_k_experts`` by softmax, renormalises them and scales each by
 its expert's learned scale.
 
-Per-layer embeddings and KV sharing across layers are refused, naming the field.
+The small models (E2B, E4B) add two things. Per-layer embeddings: a second table gives each
+token one narrow input per layer, mixed with a projection of its embedding, which each layer
+gates with its output and adds back (``models.layers.embed.PerLayerInputs``). KV sharing: the
+last ``num_kv_shared_layers`` layers compute no K/V and attend to that of the last earlier layer
+of their kind (sliding or full), so the KV cache holds only the earlier layers
+(``DecoderConfig.kv_sources``); with ``use_double_wide_mlp`` their MLPs are twice as wide.
 """
 
 from __future__ import annotations
@@ -42,11 +47,7 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.host import dequantize_host, 
 
 _LAYER = r"model\.(?:language_model\.)?layers\.(\d+)\."
 # Fields whose value, when set, is a part of Gemma 4 this runtime does not run.
-_REFUSED = {
-    "hidden_size_per_layer_input": "per-layer embeddings",
-    "num_kv_shared_layers": "KV sharing across layers",
-    "attention_bias": "attention biases",
-}
+_REFUSED = {"attention_bias": "attention biases"}
 _LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
 
@@ -69,6 +70,25 @@ def _layer_types(text: dict[str, Any], num_layers: int) -> list[str]:
     if types:
         types[-1] = "full_attention"
     return types
+
+
+def _kv_sources(text: dict[str, Any], types: list[str]) -> tuple[int, ...]:
+    """Each layer's K/V source (``DecoderConfig.kv_sources``): the last ``num_kv_shared_layers``
+    layers reuse the last earlier layer of their kind; empty when none do."""
+    n, shared = len(types), int(text.get("num_kv_shared_layers") or 0)
+    if not shared:
+        return ()
+    first = n - shared
+    sources = list(range(n))
+    for i in range(first, n):
+        own = [j for j in range(first) if types[j] == types[i]]
+        if not own:
+            raise ValueError(
+                f"Gemma 4 num_kv_shared_layers={shared} leaves no earlier {types[i]} layer "
+                f"for layer {i} to reuse"
+            )
+        sources[i] = own[-1]
+    return tuple(sources)
 
 
 def _full_layer_shape(text: dict[str, Any], types: list[str]) -> tuple[int, int]:
@@ -121,6 +141,11 @@ def gemma4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     eps = float(text.get("rms_norm_eps", 1e-6))
     head_dim = max(local_dim, full_dim) if sliding else full_dim
     moe = _moe(text, eps) if text.get("enable_moe_block") else None
+    sources = _kv_sources(text, types)
+    inter = int(text["intermediate_size"])
+    wide = bool(text.get("use_double_wide_mlp")) and bool(sources)
+    sizes = tuple(inter * (2 if s != i else 1) for i, s in enumerate(sources)) if wide else ()
+    per_layer = int(text.get("hidden_size_per_layer_input") or 0)
     return llama_like(
         {**text, "rope_parameters": None, "rope_scaling": None, "head_dim": head_dim},
         attention={
@@ -144,6 +169,10 @@ def gemma4_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         layer_scalar=True,
         moe=moe,
         moe_beside_mlp=moe is not None,
+        kv_sources=sources,
+        layer_intermediate_sizes=sizes,
+        per_layer_input_size=per_layer,
+        per_layer_vocab_size=int(text.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
     )
 
 
@@ -193,6 +222,8 @@ def _uniform_heads(
             yield from _expert_stacks(name, value)
             continue
         layer, kind = int(match[1]), match[2]
+        if cfg.reuses_kv(layer) and kind in ("k_proj", "v_proj", "k_norm"):
+            continue  # a layer that reuses another's K/V: its own (if saved) are never read
         width = _layer_head_dim(cfg, layer)
         repeat = 1
         if kind in ("k_proj", "v_proj"):
@@ -270,6 +301,13 @@ GEMMA4_WEIGHT_RULES = (
     WeightRule(LAYER + r"post_feedforward_layernorm_1\.weight", "mlp_post_norm_1", per_layer=True),
     WeightRule(LAYER + r"pre_feedforward_layernorm_2\.weight", "moe_norm", per_layer=True),
     WeightRule(LAYER + r"post_feedforward_layernorm_2\.weight", "moe_post_norm", per_layer=True),
+    # Per-layer embeddings.
+    WeightRule(r"model\.embed_tokens_per_layer\.weight", "ple_embed"),
+    WeightRule(r"model\.per_layer_model_projection\.weight", "ple_proj", transpose=True),
+    WeightRule(r"model\.per_layer_projection_norm\.weight", "ple_norm"),
+    WeightRule(LAYER + r"per_layer_input_gate\.weight", "ple_gate", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"per_layer_projection\.weight", "ple_out", transpose=True, per_layer=True),
+    WeightRule(LAYER + r"post_per_layer_input_norm\.weight", "ple_post_norm", per_layer=True),
 )
 GEMMA4_MULTIMODAL_WEIGHT_RULES = nested_rules(
     GEMMA4_WEIGHT_RULES,

@@ -140,6 +140,12 @@ class LayerMeta:
     # no layer of the model is chunked
     chunk: jax.Array | None = None
     rotates: jax.Array | None = None  # [] bool, whether this layer has rope; None: all have
+    # [] int32, where a model's layers reuse others' K/V (``DecoderConfig.kv_sources``): the
+    # row of the cache-free path's buffer of shared K/V that this layer fills (a source) or
+    # reads (a layer that reuses), -1 for neither; None when no layer reuses.
+    shared_row: jax.Array | None = None
+    # [..., width], this layer's per-layer input (``models.layers.embed.PerLayerInputs``)
+    per_layer_input: jax.Array | None = None
 
 
 FULL_WINDOW = 2**30  # a "window" no sequence reaches: the layer attends to everything
@@ -177,9 +183,18 @@ def project_qkv(
     q: jax.Array | None = None,  # [..., num_heads * head_dim], the query projection when known
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., num_heads, head_dim] and k, v [..., num_kv_heads, head_dim], with q and k normed
-    (when configured), rotated, and q position-scaled (when configured)."""
+    (when configured), rotated, and q position-scaled (when configured); k and v are None for a
+    layer that reuses another's K/V."""
     cfg, lead = layer.cfg, x.shape[:-1]
     q = layer.wq(x) if q is None else q  # [..., num_heads * head_dim]
+    if layer.wk is None:  # a layer that reuses another's K/V: its queries alone, as usual
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = layer.q_norm(q, head_width(cfg, meta))
+        q = _rotated(cfg, q, positions, meta)
+        if cfg.qk_l2_norm is not None:
+            q = _l2_normed(cfg.qk_l2_norm, q, meta)
+        return _position_scaled(cfg, q, positions, meta), None, None
     k = layer.wk(x)  # [..., num_kv_heads * head_dim]
     normed = layer.q_norm is not None and layer.k_norm is not None
     if normed and cfg.qk_norm_all_heads:
@@ -192,9 +207,18 @@ def project_qkv(
         q, k = layer.q_norm(q, width), layer.k_norm(k, width)
     if cfg.v_norm is not None:
         v = apply_norm(cfg.v_norm, v, jnp.ones((), jnp.float32), dim=width)
-    q, k = _rotate(cfg, q, k, positions, meta)
+    q, k = _rotated(cfg, q, positions, meta), _rotated(cfg, k, positions, meta)
     if cfg.qk_l2_norm is not None:
         q, k = _l2_normed(cfg.qk_l2_norm, q, meta), _l2_normed(cfg.qk_l2_norm, k, meta)
+    return _position_scaled(cfg, q, positions, meta), k, v
+
+
+def _position_scaled(
+    cfg: AttentionConfig,
+    q: jax.Array,  # [..., num_heads, head_dim]
+    positions: jax.Array,  # [...] int32
+    meta: LayerMeta,
+) -> jax.Array:  # like q: times the position-dependent factors where configured
     if cfg.query_temperature is not None:
         beta, length = cfg.query_temperature
         factor = 1 + beta * jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1) / length))
@@ -205,7 +229,7 @@ def project_qkv(
         beta, length = cfg.position_query_scale
         factor = 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))
         q = (q * factor[..., None, None]).astype(q.dtype)
-    return q, k, v
+    return q
 
 
 def head_width(cfg: AttentionConfig, meta: LayerMeta) -> jax.Array | None:
@@ -224,23 +248,18 @@ def _l2_normed(
     return normed if meta.rotates is None else jnp.where(meta.rotates, normed, x)
 
 
-def _rotate(
+def _rotated(
     cfg: AttentionConfig,
-    q: jax.Array,  # [num_seqs, q_len, num_heads, head_dim]
-    k: jax.Array,  # [num_seqs, q_len, num_kv_heads, head_dim]
-    positions: jax.Array,  # [num_seqs, q_len] int32
+    x: jax.Array,  # [..., heads, head_dim]: q or k
+    positions: jax.Array,  # [...] int32
     meta: LayerMeta,
-) -> tuple[jax.Array, jax.Array]:
-    q_rot, k_rot = apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope)
+) -> jax.Array:  # like x: with this layer's rope (none on a layer without)
+    rotated = apply_rope(x, positions, cfg.rope)
     if meta.rotates is not None:
-        q_rot, k_rot = jnp.where(meta.rotates, q_rot, q), jnp.where(meta.rotates, k_rot, k)
+        rotated = jnp.where(meta.rotates, rotated, x)
     if cfg.local_rope is None:
-        return q_rot, k_rot
-    q_loc, k_loc = (
-        apply_rope(q, positions, cfg.local_rope),
-        apply_rope(k, positions, cfg.local_rope),
-    )
-    return jnp.where(meta.local, q_loc, q_rot), jnp.where(meta.local, k_loc, k_rot)
+        return rotated
+    return jnp.where(meta.local, apply_rope(x, positions, cfg.local_rope), rotated)
 
 
 def output_projection(
@@ -270,7 +289,8 @@ def paged_self_attention(
     cfg = layer.cfg
     q, gate = output_gate(layer, x)
     q, k, v = project_qkv(layer, x, batch.positions, meta, q)
-    cache = write_step_kv(cache, meta.index, k, v, batch)
+    if k is not None:  # a layer that reuses another's K/V reads its slot (written before)
+        cache = write_step_kv(cache, meta.index, k, v, batch)
     out = step_attention(
         q,
         (cache.k, cache.v, cache.k_scales, cache.v_scales),
@@ -363,9 +383,14 @@ def causal_self_attention(
     positions: jax.Array,  # [num_seqs, seq_len] int32
     lengths: jax.Array,  # [num_seqs] int32, valid tokens per sequence
     meta: LayerMeta,
-) -> jax.Array:  # [num_seqs, seq_len, hidden]
+    shared: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:  # [num_seqs, seq_len, hidden]
     """Project, rotate, attend causally within each sequence's valid tokens, project out,
     leaving the paged KV cache untouched (embeddings, prompt scoring).
+
+    Where layers reuse others' K/V, ``shared`` = (K, V) ``[rows, num_seqs, seq_len,
+    num_kv_heads, head_dim]`` holds the sources' (``LayerMeta.shared_row``): a source fills its
+    row, a layer that reuses reads it; returned updated.
 
     Padding queries (index >= length) still see key 0, so they stay finite; their outputs are
     never read.
@@ -374,9 +399,15 @@ def causal_self_attention(
     group = cfg.num_heads // cfg.num_kv_heads
     q, gate = output_gate(layer, x)
     q, k, v = project_qkv(layer, x, positions, meta, q)
-    if cfg.round_kv_to is not None:
-        k = k.astype(cfg.round_kv_to).astype(k.dtype)
-        v = v.astype(cfg.round_kv_to).astype(v.dtype)
+    if k is None:
+        row = jnp.maximum(meta.shared_row, 0)
+        k, v = shared[0][row], shared[1][row]
+    else:
+        if cfg.round_kv_to is not None:
+            k = k.astype(cfg.round_kv_to).astype(k.dtype)
+            v = v.astype(cfg.round_kv_to).astype(v.dtype)
+        if shared is not None:
+            shared = _shared_stored(shared, meta.shared_row, k, v)
     q = q.reshape(num_seqs, seq_len, cfg.num_kv_heads, group, cfg.head_dim)
     scores = jnp.einsum(
         "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
@@ -398,7 +429,21 @@ def causal_self_attention(
     probs = softmax_with_sinks(scores, sinks)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
     out = out.reshape(num_seqs, seq_len, cfg.num_heads, cfg.head_dim)
-    return output_projection(layer, out, gate)
+    return output_projection(layer, out, gate), shared
+
+
+def _shared_stored(
+    shared: tuple[jax.Array, jax.Array],  # [rows, num_seqs, seq_len, num_kv_heads, head_dim]
+    row: jax.Array,  # [] int32, -1: not a source
+    k: jax.Array,  # [num_seqs, seq_len, num_kv_heads, head_dim]
+    v: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """``shared`` with a source layer's K and V in its row (unchanged when ``row`` is -1)."""
+    at = jnp.maximum(row, 0)
+    return tuple(
+        jnp.where(row >= 0, buf.at[at].set(new.astype(buf.dtype)), buf)
+        for buf, new in zip(shared, (k, v), strict=True)
+    )
 
 
 class Attention(Block):
@@ -413,7 +458,10 @@ class Attention(Block):
         hidden: int,
         dtype: jnp.dtype,
         quantized: Collection[str] = (),
+        reuses_kv: bool = False,
     ) -> None:
+        """With ``reuses_kv`` the layer attends to an earlier layer's K/V and declares no K/V
+        projections or norm (``DecoderConfig.kv_sources``)."""
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         wq_width = 2 * q_width if cfg.output_gate else q_width
@@ -423,13 +471,16 @@ class Attention(Block):
 
         qkv = cfg.qkv_bias
         self.wq = proj((hidden, wq_width), (EMBED, HEADS), "wq", "bq" if qkv else None)
-        self.wk = proj((hidden, kv_width), (EMBED, KV_HEADS), "wk", "bk" if qkv else None)
-        self.wv = proj((hidden, kv_width), (EMBED, KV_HEADS), "wv", "bv" if qkv else None)
+        kv = (hidden, kv_width), (EMBED, KV_HEADS)
+        self.wk = None if reuses_kv else proj(*kv, "wk", "bk" if qkv else None)
+        self.wv = None if reuses_kv else proj(*kv, "wv", "bv" if qkv else None)
         self.wo = proj((q_width, hidden), (HEADS, EMBED), "wo", "bo" if cfg.o_bias else None)
         normed = cfg.qk_norm is not None
         self.q_norm = self._qk_norm(lead, cfg.num_heads, HEADS, dtype, "q_norm") if normed else None
         self.k_norm = (
-            self._qk_norm(lead, cfg.num_kv_heads, KV_HEADS, dtype, "k_norm") if normed else None
+            self._qk_norm(lead, cfg.num_kv_heads, KV_HEADS, dtype, "k_norm")
+            if normed and not reuses_kv
+            else None
         )
         sink_shape, sink_axes = (*lead, cfg.num_heads), (*layer_axes(lead), HEADS)
         self.sinks = declare(sink_shape, dtype, sink_axes, "sinks") if cfg.sinks else None
@@ -463,6 +514,7 @@ class Attention(Block):
         positions: jax.Array,  # [num_seqs, seq_len] int32
         lengths: jax.Array,  # [num_seqs] int32
         meta: LayerMeta,
-    ) -> jax.Array:  # [num_seqs, seq_len, hidden]
+        shared: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:  # [num_seqs, seq_len, hidden]
         """``causal_self_attention`` with this layer's weights."""
-        return causal_self_attention(self, x, positions, lengths, meta)
+        return causal_self_attention(self, x, positions, lengths, meta, shared)

@@ -15,12 +15,13 @@ from flax import nnx
 
 from jax_llm_runtime.models.batch import StepBatch
 from jax_llm_runtime.models.layers.attention import FULL_WINDOW, Attention, LayerMeta
+from jax_llm_runtime.models.layers.linear import projection
 from jax_llm_runtime.models.layers.linear_attention import GatedDeltaNet, HybridCache
 from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
-from jax_llm_runtime.models.layers.mlp import MLP
+from jax_llm_runtime.models.layers.mlp import ACTIVATIONS, MLP
 from jax_llm_runtime.models.layers.moe import MoE
 from jax_llm_runtime.models.layers.norms import Norm
-from jax_llm_runtime.models.layers.params import EMBED, NORM, declare, layer_axes
+from jax_llm_runtime.models.layers.params import EMBED, NORM, PER_LAYER, declare, layer_axes
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
@@ -30,23 +31,30 @@ if TYPE_CHECKING:
 
 def layer_meta(cfg: DecoderConfig, start: int, end: int) -> LayerMeta:
     """Stacked per-layer facts for layers ``start:end``. A layer's index is its slot in its
-    cache: among the layers with K/V pages, or among the linear-attention layers."""
+    cache (``DecoderConfig.kv_slots``)."""
     sliding = np.asarray(cfg.sliding_layers or (False,) * cfg.num_layers)[start:end]
     window = getattr(cfg.attention, "sliding_window", None) or FULL_WINDOW
     chunked = np.asarray(cfg.chunked_layers or (False,) * cfg.num_layers)[start:end]
     chunk = getattr(cfg.attention, "attention_chunk", None) or FULL_WINDOW
     rotates = None if not cfg.nope_layers else ~np.asarray(cfg.nope_layers)[start:end]
-    linear = np.asarray(cfg.linear_layers or (False,) * cfg.num_layers)
-    slot = [int(np.sum(linear[:i] == linear[i])) for i in range(start, end)]
+    slots = cfg.kv_slots()[start:end]
     return LayerMeta(
-        index=jnp.asarray(slot, jnp.int32),
+        index=jnp.asarray(slots, jnp.int32),
         window=jnp.asarray(np.where(sliding, window, FULL_WINDOW), jnp.int32),
         local=jnp.asarray(sliding),
         chunk=jnp.asarray(np.where(chunked, chunk, FULL_WINDOW), jnp.int32)
         if cfg.chunked_layers
         else None,
         rotates=None if rotates is None else jnp.asarray(rotates),
+        shared_row=jnp.asarray(shared_rows(cfg)[start:end], jnp.int32) if cfg.kv_sources else None,
     )
+
+
+def shared_rows(cfg: DecoderConfig) -> list[int]:
+    """Each layer's row in the cache-free path's buffer of shared K/V (``LayerMeta.shared_row``):
+    the sources that some layer reuses get rows in layer order."""
+    sources = sorted({s for i, s in enumerate(cfg.kv_sources) if s != i})
+    return [sources.index(s) if s in sources else -1 for s in cfg.kv_sources]
 
 
 class DecoderLayer(nnx.Module):
@@ -60,7 +68,9 @@ class DecoderLayer(nnx.Module):
         dtype: jnp.dtype,
         quantized: Collection[str] = (),
         is_linear: bool = False,
+        first: int = 0,
     ) -> None:
+        """Layers like layer ``first`` of the model (its attention kind and MLP width)."""
         h = cfg.hidden_size
         self.parallel_residual = cfg.parallel_residual
 
@@ -70,9 +80,11 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = norm("attn_norm")
         if is_linear:
             self.attn = GatedDeltaNet(cfg.linear_attention, lead, h, dtype, quantized)
+        elif isinstance(cfg.attention, MLAConfig):
+            self.attn = MLA(cfg.attention, lead, h, dtype, quantized)
         else:
-            attention = MLA if isinstance(cfg.attention, MLAConfig) else Attention
-            self.attn = attention(cfg.attention, lead, h, dtype, quantized)
+            reuses = cfg.reuses_kv(first)
+            self.attn = Attention(cfg.attention, lead, h, dtype, quantized, reuses_kv=reuses)
         self.mlp_norm = None if cfg.parallel_residual else norm("mlp_norm")
         self.attn_post_norm = norm("attn_post_norm") if cfg.sandwich_norms else None
         self.mlp_post_norm = norm("mlp_post_norm") if cfg.sandwich_norms else None
@@ -90,31 +102,44 @@ class DecoderLayer(nnx.Module):
             self.ffn = MoE(cfg.moe, lead, h, dtype, quantized)
         else:
             self.ffn = MLP(
-                lead, h, cfg.intermediate_size, dtype, cfg.activation, cfg.gated_mlp,
+                lead, h, cfg.intermediate_size_of(first), dtype, cfg.activation, cfg.gated_mlp,
                 cfg.mlp_bias, quantized,
             )  # fmt: skip
+        # Gemma 4's per-layer embeddings: the layer's output gates its per-layer input, which is
+        # projected back to the residual stream, normed and added.
+        width, self.activation = cfg.per_layer_input_size, cfg.activation
+        ple = (h, width), (EMBED, PER_LAYER), (width, h), (PER_LAYER, EMBED)
+        self.ple_gate = projection(lead, *ple[:2], dtype, "ple_gate") if width else None
+        self.ple_out = projection(lead, *ple[2:], dtype, "ple_out") if width else None
+        self.ple_post_norm = norm("ple_post_norm") if width else None
 
     def __call__(
         self,
         x: jax.Array,  # [num_seqs, q_len, hidden]
         attend: Callable[[jax.Array], tuple[jax.Array, Any]],
         valid: jax.Array,  # [num_seqs, q_len] bool: real tokens, not padding
+        per_layer_input: jax.Array | None = None,  # [num_seqs, q_len, width]
     ) -> tuple[jax.Array, Any]:
         """The layer around ``attend(h) -> (attention output, state)``; returns the new residual
         stream and attend's state (the updated cache, or None)."""
         h = self.attn_norm(x)
         attn, state = attend(h)
         if self.parallel_residual:
-            return self._scaled(x + attn + self._ffn(h, valid, x)), state
+            return self._scaled(x + attn + self._ffn(h, valid, x), per_layer_input), state
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = x + attn
         out = self._ffn(self.mlp_norm(x), valid, x)
         if self.mlp_post_norm is not None:
             out = self.mlp_post_norm(out)
-        return self._scaled(x + out), state
+        return self._scaled(x + out, per_layer_input), state
 
-    def _scaled(self, x: jax.Array) -> jax.Array:
+    def _scaled(self, x: jax.Array, per_layer_input: jax.Array | None) -> jax.Array:
+        """The layer's output: with per-layer inputs, plus the input gated by the output and
+        projected back; times the layer's scalar where it has one."""
+        if self.ple_gate is not None:
+            gated = ACTIVATIONS[self.activation](self.ple_gate(x)) * per_layer_input
+            x = x + self.ple_post_norm(self.ple_out(gated))
         if self.layer_scalar is None:
             return x
         return x * self.layer_scalar.get_value().astype(x.dtype)
@@ -148,7 +173,7 @@ class DecoderLayer(nnx.Module):
                 out, kv = self.attn(h, kv, meta, batch, native)
             return out, cache.replace(kv=kv) if isinstance(cache, HybridCache) else kv
 
-        return self(x, attend, valid)
+        return self(x, attend, valid, meta.per_layer_input)
 
     def causal(
         self,
@@ -157,17 +182,20 @@ class DecoderLayer(nnx.Module):
         lengths: jax.Array,  # [num_seqs] int32
         meta: LayerMeta,
         valid: jax.Array,  # [num_seqs, seq_len] bool
-    ) -> jax.Array:
-        """The layer without the cache: causal attention within each sequence."""
+        shared: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """The layer without the cache: causal attention within each sequence. ``shared`` is the
+        buffer of K/V that layers reuse (``models.layers.attention.causal_self_attention``),
+        returned updated; None when no layer reuses another's."""
 
-        def attend(h: jax.Array) -> tuple[jax.Array, None]:
+        def attend(h: jax.Array) -> tuple[jax.Array, Any]:
             if isinstance(self.attn, GatedDeltaNet):
-                return self.attn.causal(h, lengths), None
+                return self.attn.causal(h, lengths), shared
             if isinstance(self.attn, MLA):
-                return self.attn.causal(h, positions, lengths), None
-            return self.attn.causal(h, positions, lengths, meta), None
+                return self.attn.causal(h, positions, lengths), shared
+            return self.attn.causal(h, positions, lengths, meta, shared)
 
-        return self(x, attend, valid)[0]
+        return self(x, attend, valid, meta.per_layer_input)
 
 
 class Segment(nnx.Module):
@@ -184,15 +212,18 @@ class Segment(nnx.Module):
     ) -> None:
         self.start, self.end = start, end
         is_linear = bool(cfg.linear_layers) and cfg.linear_layers[start]
-        self.layers = DecoderLayer(cfg, (end - start,), is_moe, dtype, quantized, is_linear)
+        lead = (end - start,)
+        self.layers = DecoderLayer(cfg, lead, is_moe, dtype, quantized, is_linear, first=start)
 
     def scan(
         self,
         cfg: DecoderConfig,
         step: Callable[[DecoderLayer, Any, LayerMeta], Any],
         carry: Any,
+        per_layer_inputs: jax.Array | None = None,  # [num_layers, ..., width], all the model's
     ) -> Any:
-        """``carry = step(layer, carry, meta)`` for each layer in order, under ``lax.scan``.
+        """``carry = step(layer, carry, meta)`` for each layer in order, under ``lax.scan``;
+        each layer's meta carries its slice of ``per_layer_inputs`` when given.
 
         XLA copies each layer's slice of a custom call's operand, so where native kernels may
         run (``cfg.native_kernels``) the packed ``[layers, in, out]`` projections stay whole and
@@ -214,7 +245,10 @@ class Segment(nnx.Module):
         unroll = cfg.unroll_layers
         if unroll is None:
             unroll = jax.default_backend() == "gpu"
-        xs = (sliced, layer_meta(cfg, self.start, self.end))
+        meta = layer_meta(cfg, self.start, self.end)
+        if per_layer_inputs is not None:
+            meta = meta.replace(per_layer_input=per_layer_inputs[self.start : self.end])
+        xs = (sliced, meta)
         carry, _ = jax.lax.scan(body, carry, xs, unroll=bool(unroll))
         return carry
 

@@ -1,11 +1,14 @@
-"""Token embeddings: the ``[vocab, hidden]`` table, split over the mesh by vocabulary rows."""
+"""Token embeddings: the ``[vocab, hidden]`` table, split over the mesh by vocabulary rows, and
+the per-layer inputs some models add (Gemma 4's per-layer embeddings)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_llm_runtime.models.layers.params import EMBED, VOCAB, Block, declare
+from jax_llm_runtime.models.layers.linear import projection
+from jax_llm_runtime.models.layers.norms import Norm, NormConfig
+from jax_llm_runtime.models.layers.params import EMBED, NORM, PER_LAYER, VOCAB, Block, declare
 
 
 class Embed(Block):
@@ -30,3 +33,33 @@ class Embed(Block):
         return jnp.einsum(
             "...h,vh->...v", h, self.embedding.get_value(), preferred_element_type=jnp.float32
         )
+
+
+class PerLayerInputs(Block):
+    """Gemma 4's per-layer embeddings: for each token, one ``width``-wide input per layer, the
+    mean (times sqrt 2) of a lookup in a ``[vocab, layers * width]`` table (``ple_embed``, rows
+    scaled by sqrt(width)) and a projection of the token's embedding (``ple_proj``, scaled by
+    hidden ** -0.5, each layer's part RMS-normed by ``ple_norm``). Each layer gates its output
+    with its input (``models.layers.decoder_layer``)."""
+
+    def __init__(
+        self, vocab: int, hidden: int, layers: int, width: int, norm: NormConfig, dtype: jnp.dtype
+    ) -> None:
+        self.hidden, self.layers, self.width = hidden, layers, width
+        features = layers * width
+        self.table = declare((vocab, features), dtype, (VOCAB, PER_LAYER), "ple_embed")
+        self.proj = projection((), (hidden, features), (EMBED, PER_LAYER), dtype, "ple_proj")
+        self.norm = Norm(norm, (width,), (NORM,), dtype, "ple_norm")
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [...] int32
+        x: jax.Array,  # [..., hidden], the tokens' (scaled) embeddings
+    ) -> jax.Array:  # [layers, ..., width]: each layer's inputs, leading for the layer scan
+        lead, dtype = tokens.shape, x.dtype
+        looked = self.table.get_value()[tokens] * jnp.asarray(self.width**0.5, dtype)
+        looked = looked.reshape(*lead, self.layers, self.width)
+        projected = self.proj(x) * jnp.asarray(self.hidden**-0.5, dtype)
+        projected = self.norm(projected.reshape(*lead, self.layers, self.width))
+        inputs = (projected + looked) * jnp.asarray(2**-0.5, dtype)
+        return jnp.moveaxis(inputs, -2, 0)

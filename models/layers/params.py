@@ -45,6 +45,7 @@ LATENT = "latent"  # MLA's low-rank query and KV latents, read by every head
 HEAD_DIM = "head_dim"  # features of one head
 NORM = "norm"  # a norm's features
 ROUTER = "router"  # router logits (one per expert, or the shared expert's one gate)
+PER_LAYER = "per_layer"  # per-layer input features (Gemma 4's per-layer embeddings), whole
 
 
 def declare(

@@ -114,10 +114,48 @@ def test_gemma4_moe_block_beside_the_mlp(tmp_path):
     assert model.config.moe_beside_mlp and model.config.segments == ((0, 3, True),)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 1)],
-)
+def test_gemma4_per_layer_embeddings_and_kv_sharing(tmp_path):
+    """Gemma 4 E2B's parts: per-layer embeddings, and the last two layers reusing the K/V of the
+    last earlier sliding and full layers with MLPs twice as wide. The cache holds only the
+    first three layers; the cache-free path (embeddings, scoring) matches HF's hidden states."""
+    import numpy as np
+    import torch
+
+    from jax_llm_runtime.models.decoder import hidden_states
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    hf = _gemma4_config(
+        num_hidden_layers=5, layer_types=[*types, "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+        num_kv_shared_layers=2, use_double_wide_mlp=True,
+    )  # fmt: skip
+    model = _check(hf, tmp_path)
+    cfg = model.config
+    assert cfg.kv_sources == (0, 1, 2, 2, 1) and cfg.num_kv_layers == 3
+    assert cfg.layer_intermediate_sizes == (128, 128, 128, 256, 256)
+    assert cfg.segments == ((0, 3, False), (3, 5, False))
+
+    hf_model = _randomised(hf, tmp_path / "again")
+    ids = prompts(256)[2]
+    with torch.no_grad():
+        ref = hf_model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    n = len(ids)
+    ours = hidden_states(
+        cfg, model.weights, np.asarray([ids]), np.arange(n)[None], np.asarray([n])
+    )[0]
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma4_kv_sharing_without_an_earlier_layer_of_its_kind_is_refused():
+    from jax_llm_runtime.models.registry import model_config_from_hf
+
+    hf = _gemma4_config(num_kv_shared_layers=2).to_dict()  # leaves no full layer to reuse
+    hf["layer_types"] = ["sliding_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"^Gemma 4 num_kv_shared_layers=2 leaves no earlier"):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.parametrize(("field", "value"), [("attention_bias", True)])
 def test_gemma4_unsupported_parts_are_refused(field, value):
     from jax_llm_runtime.models.registry import model_config_from_hf
 
@@ -129,7 +167,9 @@ def test_gemma4_unsupported_parts_are_refused(field, value):
 @pytest.mark.slow
 def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
     """Greedy tokens do not change with the tensor-parallel size; the full layers' 2 KV heads
-    are repeated to the sliding layers' 4, so every layer splits over 4 devices."""
+    are repeated to the sliding layers' 4, so every layer splits over 4 devices. The last layer
+    reuses the K/V of the full layer before it with an MLP twice as wide, beside per-layer
+    embeddings (E2B's parts), through the engine."""
     from tests.models.tiny_tokenizer import save_byte_tokenizer
     from tests.runtime.test_tensor_parallel import BASE, check_split, run_sharded
 
@@ -139,6 +179,10 @@ def test_gemma4_tensor_parallel_over_2_and_4_devices(tmp_path):
         num_key_value_heads=4,
         attention_k_eq_v=True,
         num_global_key_value_heads=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=BASE["vocab_size"],
+        num_kv_shared_layers=1,
+        use_double_wide_mlp=True,
     )
     _randomised(hf, tmp_path)
     save_byte_tokenizer(tmp_path)
