@@ -32,9 +32,10 @@ class WeightRule:
 
     With ``per_layer``, the pattern's groups are indices into the field's leading axes in order
     (layer, then e.g. expert). ``transpose`` turns a torch ``[out, in]`` linear weight into our
-    ``[in, out]``. A tuple of fields splits a fused checkpoint tensor (``qkv_proj``,
-    ``gate_up_proj``, a convolution's channels) along its torch output axis, its first, into
-    pieces sized by the fields' shapes; with
+    ``[in, out]``, and a stack of them (``[experts, out, in]``: one tensor for all of a layer's
+    experts) into ``[experts, in, out]``. A tuple of fields splits a fused checkpoint tensor
+    (``qkv_proj``, ``gate_up_proj``, a convolution's channels) along its torch output axis (a
+    linear weight's, or else its first) into pieces sized by the fields' shapes; with
     ``interleaved`` the tensor is ``[..., in, out]`` already (biases ``[..., out]``) and its
     output columns alternate between the fields (gpt-oss's experts: gate, up, gate, up, ...).
     A rule with ``field=None`` marks names that are deliberately ignored (e.g. cached rope tables).
@@ -145,7 +146,7 @@ def load_host_weights(
                 _check_shape(key, shapes[field][len(index) :], piece.codes.shape)
                 packed[field][index] = piece
             else:
-                _store(key, host[field], index, piece.T if rule.transpose else piece)
+                _store(key, host[field], index, _ours(piece) if rule.transpose else piece)
             if index in filled[field]:
                 raise WeightLoadError(f"checkpoint key {key!r} appears twice")
             filled[field].add(index)
@@ -175,7 +176,7 @@ def _prepare(
     if isinstance(value, HostPacked):
         weight = dequantize_host(value)
     else:
-        weight = np.asarray(value.T if rule.transpose else value)
+        weight = np.asarray(_ours(value) if rule.transpose else value)
     quantized = packing.quantize(weight)
     return quantized if isinstance(quantized, HostPacked) else value
 
@@ -234,7 +235,8 @@ def _split(
     # axis fills (a linear weight's [out, in], a convolution's [channels, 1, kernel]).
     back = -1 if rule.transpose else (-2 if isinstance(value, HostPacked) else -value.ndim)
     sizes = [host[f].shape[back] for f in targets]
-    rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[0]
+    axis = -2 if rule.transpose else 0  # of a float value: its torch output axis
+    rows = value.codes.shape[-1] if isinstance(value, HostPacked) else value.shape[axis]
     if rows != sum(sizes):
         raise WeightLoadError(
             f"checkpoint key {key!r} has {rows} output rows, expected "
@@ -242,7 +244,12 @@ def _split(
         )
     if isinstance(value, HostPacked):
         return split_out(value, sizes)
-    return np.split(value, np.cumsum(sizes)[:-1], axis=0)
+    return np.split(value, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _ours(value: np.ndarray) -> np.ndarray:
+    """A torch ``[..., out, in]`` linear weight (or a stack of them) as ``[..., in, out]``."""
+    return np.swapaxes(value, -1, -2) if value.ndim >= 2 else value
 
 
 def _split_interleaved(

@@ -166,6 +166,11 @@ QWEN_MOE_WEIGHT_RULES = (
     WeightRule(LAYER + r"mlp\.shared_expert\.up_proj\.weight", "s_up", True, True),
     WeightRule(LAYER + r"mlp\.shared_expert\.down_proj\.weight", "s_down", True, True),
     WeightRule(LAYER + r"mlp\.shared_expert_gate\.weight", "s_router", True, True),
+    # All of a layer's experts in one tensor (Qwen3.5-MoE's released checkpoints, transformers
+    # 5's own layout; GGUF files written with --fuse-gate-up-exps): gate_up_proj is
+    # [experts, 2 * inter, hidden], gate rows first, and down_proj [experts, hidden, inter].
+    WeightRule(LAYER + r"mlp\.experts\.gate_up_proj", ("e_gate", "e_up"), True, True),
+    WeightRule(LAYER + r"mlp\.experts\.down_proj", "e_down", True, True),
 )
 # DeepSeek V3's MoE layer names (router, its correction bias, routed and shared experts), which
 # GLM-4.5 shares.

@@ -103,6 +103,36 @@ def test_qwen3_5_moe_multimodal_checkpoint_serves_its_text_model(tmp_path):
     check_model(model, text_model)
 
 
+def test_qwen3_5_moe_checkpoint_with_fused_expert_stacks(tmp_path):
+    """Qwen3.5-MoE as its released checkpoints store the experts: one ``gate_up_proj``
+    ``[experts, 2 * inter, hidden]`` (gate rows first) and one ``down_proj`` per layer, the
+    layout transformers holds them in (its save_pretrained writes one tensor per expert)."""
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    hf = _config("Qwen3_5MoeTextConfig", layer_types=LAYER_TYPES, **MOE)
+    hf.architectures = ["Qwen3_5MoeForCausalLM"]
+    hf_model = save_random_model(hf, tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(\w+)_proj\.weight")
+    fused, parts = {}, {}
+    for name, value in tensors.items():
+        match = expert.fullmatch(name)
+        if match is None:
+            fused[name] = value
+        else:
+            parts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = value
+    for prefix, kinds in parts.items():
+        stack = {kind: np.stack([e[i] for i in sorted(e)]) for kind, e in kinds.items()}
+        fused[prefix + "gate_up_proj"] = np.concatenate([stack["gate"], stack["up"]], axis=1)
+        fused[prefix + "down_proj"] = stack["down"]
+    assert len(parts) == 4 and not any(expert.fullmatch(n) for n in fused)
+    save_file(fused, path, metadata={"format": "pt"})
+    check_model(load_ours(tmp_path), hf_model)
+
+
 def _gated_delta_inputs(seed: int, seq_len: int):
     import torch
 
