@@ -171,6 +171,7 @@ GEMMA3_VISION = VisionSpec(
     config_from_hf=gemma3_vision_config_from_hf,
     load=load,
     encode=encode,
+    declare=Gemma3VisionEncoder,
     checkpoint_prefixes=(VISION_PREFIX, PROJECTOR_PREFIX),
     rename=canonical_name,
 )

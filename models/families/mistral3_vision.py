@@ -234,6 +234,7 @@ MISTRAL3_VISION = VisionSpec(
     config_from_hf=mistral3_vision_config_from_hf,
     load=load,
     encode=encode,
+    declare=Mistral3VisionEncoder,
     checkpoint_prefixes=(VISION_PREFIX, PROJECTOR_PREFIX),
     rename=canonical_name,
     pack=pack,

@@ -40,7 +40,8 @@ class VisionSpec:
     """``config_from_hf(hf)`` -> the encoder config (``image_token_id``, and for one fixed image
     size ``tokens_per_image``, ``image_size``, ``boi_token_id``, ``eoi_token_id``);
     ``load(config, tensors, dtype)`` -> ``VisionWeights`` from the HF tensors named under
-    ``checkpoint_prefixes``; ``encode(config, weights, pixels)`` -> soft tokens (pure; the
+    ``checkpoint_prefixes``; ``declare(config, dtype)`` -> the encoder module with abstract
+    parameters (what a prepared checkpoint restores into); ``encode(config, weights, pixels)`` -> soft tokens (pure; the
     engine jits it). ``rename`` spells a checkpoint name the way ``checkpoint_prefixes`` and
     ``load`` read it.
 
@@ -54,6 +55,7 @@ class VisionSpec:
     config_from_hf: Callable[[dict[str, Any]], Any]
     load: Callable[[Any, Mapping[str, np.ndarray], Any], Any]
     encode: Callable[..., Any]
+    declare: Callable[[Any, Any], nnx.Module]
     checkpoint_prefixes: tuple[str, ...]
     rename: Callable[[str], str] = lambda name: name
     pack: Callable[[Any, Sequence[np.ndarray], int], PackedImages] | None = None

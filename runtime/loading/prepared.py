@@ -15,6 +15,9 @@ conversion and quantization. DIR holds::
     chat_template.jinja   the chat template, when the model has one
     generation_config.json  the source folder's sampling defaults, when it has them
     weights/              the orbax checkpoint of the weight arrays (a plain nested dict)
+    vision/               a vision-language model's image encoder, its arrays likewise, with
+                          the source's ``preprocessor_config.json`` and ``processor_config.json``
+                          beside the config
 
 The directory is written as ``DIR.partial`` and renamed when complete. What the weights depend
 on must match when they are restored: the dtype and ``--isq`` (left unset, they are taken from
@@ -40,6 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jax_llm_runtime.models.decoder import Decoder
+from jax_llm_runtime.models.vision.encoder import VisionWeights
 from jax_llm_runtime.runtime.config import EngineConfig
 from jax_llm_runtime.runtime.loading.builder import (
     LoadedModel,
@@ -49,6 +53,7 @@ from jax_llm_runtime.runtime.loading.builder import (
     resolve_dtype,
 )
 from jax_llm_runtime.runtime.loading.sources import PREPARED_MANIFEST, ModelFiles
+from jax_llm_runtime.runtime.loading.vision import LoadedVision
 from jax_llm_runtime.runtime.loading.weight_tree import (
     Skeleton,
     WeightTreeError,
@@ -67,7 +72,9 @@ logger = logging.getLogger(__name__)
 # are ``ExpertLinear`` modules, so their arrays sit one level down (``e_gate/kernel``); 4: the
 # linear attention's convolution (and Qwen3.5's in_proj_qkv) are q, k and v fields.
 LAYOUT_VERSION = 4
-WEIGHTS, TOKENIZER, CONFIG = "weights", "tokenizer", "config.json"
+WEIGHTS, TOKENIZER, CONFIG, VISION = "weights", "tokenizer", "config.json", "vision"
+# The image processor's settings, read from the model folder (``runtime.multimodal``).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 CHAT_TEMPLATE, GENERATION_CONFIG = "chat_template.jinja", "generation_config.json"
 # The EngineConfig fields the stored arrays depend on (dtype and isq are checked on their own).
 _LAYOUT_FIELDS = ("tensor_parallel_size", "expert_parallel", "num_experts_offload_per_rank")
@@ -111,6 +118,8 @@ def save_prepared(config: EngineConfig, directory: str | Path) -> Path:
     except WeightTreeError as e:
         raise PreparedCheckpointError(f"cannot prepare {config.model_id}: {e}") from None
     _write_arrays(partial / WEIGHTS, arrays)
+    if model.vision is not None:
+        _write_arrays(partial / VISION, nnx.to_pure_dict(model.vision.weights.state))
     if jax.process_index() == 0:
         _write_model_files(partial, model)
         _write_manifest(partial, _manifest(config, model, skeleton))
@@ -138,8 +147,9 @@ def load_prepared(config: EngineConfig, files: ModelFiles, packed: bool = True) 
         declare = lambda declared: nnx.graphdef(Decoder.declared(model_config, declared))  # noqa: E731
         weights = _restore(folder, manifest["tree"], operands, _first_mesh(config), declare)
         dtype = resolve_dtype(config.dtype)
+        vision = _restore_vision(folder, spec, hf_config, dtype) if manifest.get(VISION) else None
         loaded = LoadedModel(
-            files, spec, model_config, weights, tokenizer.result(), dtype, hf_config
+            files, spec, model_config, weights, tokenizer.result(), dtype, hf_config, vision
         )
     logger.info("restored prepared checkpoint %s (%s)", folder, manifest["source"])
     return loaded
@@ -183,6 +193,7 @@ def _manifest(config: EngineConfig, model: LoadedModel, skeleton: Skeleton) -> d
         "operand_dtype": getattr(model.config, "operand_dtype", None),
         "eos_token_ids": sorted(model.tokenizer.eos_token_ids),
         "tree": skeleton,
+        VISION: model.vision is not None,
     }
 
 
@@ -250,6 +261,38 @@ def _restore(
         ) from e
 
 
+def _restore_vision(folder: Path, spec: Any, hf_config: dict[str, Any], dtype: Any) -> LoadedVision:
+    """The image encoder of a prepared vision-language checkpoint: declared from the config,
+    its arrays restored onto the first device (where ``builder.load_model`` puts them)."""
+    import orbax.checkpoint as ocp
+
+    if spec.vision is None:
+        raise PreparedCheckpointError(
+            f"{folder} holds an image encoder that {spec.hf_architecture} does not take; "
+            "prepare it again"
+        )
+    vision_config = spec.vision.config_from_hf(hf_config)
+    graphdef, state = nnx.split(spec.vision.declare(vision_config, dtype))
+    device = SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+        nnx.to_pure_dict(state),
+    )
+    try:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        with _checkpointer() as checkpointer:
+            arrays = checkpointer.restore(
+                (folder / VISION).absolute(),
+                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+            )
+        nnx.replace_by_pure_dict(state, arrays)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        raise PreparedCheckpointError(
+            f"{folder}: cannot restore the image encoder ({_first_line(e)}); prepare it again"
+        ) from e
+    return LoadedVision(vision_config, VisionWeights(graphdef, state), folder)
+
+
 def _placed_as(array: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
     if array.sharding.is_equivalent_to(target.sharding, array.ndim):
         return array
@@ -282,9 +325,11 @@ def _write_model_files(folder: Path, model: LoadedModel) -> None:
     model.tokenizer.hf.save_pretrained(str(folder / TOKENIZER))
     if model.tokenizer.chat_template:
         (folder / CHAT_TEMPLATE).write_text(model.tokenizer.chat_template, encoding="utf-8")
-    source = model.files.path / GENERATION_CONFIG
-    if model.files.kind == "hf" and source.is_file():
-        shutil.copyfile(source, folder / GENERATION_CONFIG)
+    copied = (GENERATION_CONFIG, *PROCESSOR_FILES) if model.vision else (GENERATION_CONFIG,)
+    for name in copied:
+        source = model.files.path / name
+        if model.files.kind == "hf" and source.is_file():
+            shutil.copyfile(source, folder / name)
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

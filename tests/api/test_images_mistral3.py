@@ -5,8 +5,10 @@ grid of tokens; a placeholder typed into the text is a 400."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,19 +31,26 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def server(mistral3_vision_checkpoint) -> Iterator[tuple]:
+ENGINE = dict(
+    max_num_seqs=2, max_model_len=128, dtype="float32", page_size=8, kvcache_mem_mb=1,
+    precompile="none",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _served(folder: Path) -> Iterator[str]:
     from jax_llm_runtime.runtime.config import EngineConfig
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
-    folder, hf_model = mistral3_vision_checkpoint
-    engine = build_engine(
-        EngineConfig(
-            model_id=str(folder), max_num_seqs=2, max_model_len=128, dtype="float32",
-            page_size=8, kvcache_mem_mb=1, precompile="none",
-        )
-    )  # fmt: skip
+    engine = build_engine(EngineConfig(model_id=str(folder), **ENGINE))
     with serve_in_thread(create_app(engine)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(mistral3_vision_checkpoint) -> Iterator[tuple]:
+    folder, hf_model = mistral3_vision_checkpoint
+    with _served(folder) as url:
         yield url, hf_model, folder
 
 
@@ -50,9 +59,24 @@ def _image_part(image: Image.Image) -> dict[str, Any]:
 
 
 def test_openai_sdk_sends_images_of_two_sizes(server) -> None:
+    _check_two_images(*server)
+
+
+def test_prepared_checkpoint_keeps_the_image_encoder(mistral3_vision_checkpoint, tmp_path):
+    """Prepared (``--save-prepared``: orbax), the model keeps its image encoder and processor
+    settings: served from the prepared folder, the same images give HF's reply."""
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.prepared import save_prepared
+
+    folder, hf_model = mistral3_vision_checkpoint
+    prepared = save_prepared(EngineConfig(model_id=str(folder), **ENGINE), tmp_path / "p")
+    with _served(prepared) as url:
+        _check_two_images(url, hf_model, folder)
+
+
+def _check_two_images(url: str, hf_model: Any, folder: Path) -> None:
     from transformers import AutoTokenizer
 
-    url, hf_model, folder = server
     images = random_images(2, seed=7)  # 37 x 23 and 50 x 61: other grids
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     reply = client.chat.completions.create(
