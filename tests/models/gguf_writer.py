@@ -412,7 +412,9 @@ def _qwen35_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
 
 def _gemma4_tensors(state: Tensors, hp: dict[str, Any]) -> Tensors:
     """Gemma 4: the layer scalar and the expert stacks get a ``.weight`` name; the router's
-    two scales go to llama.cpp's names for them (no HF name maps there)."""
+    two scales go to llama.cpp's names for them (no HF name maps there). The per-layer
+    embeddings (E2B, E4B) pass as they are: gguf's map names them, and llama.cpp scales the
+    table as HF does, when it runs."""
     out = {}
     for name, array in state.items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else ""

@@ -228,7 +228,9 @@ def gemma4_full_layers(hp: dict[str, Any]) -> tuple[int, int]:
 
 def gemma4_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     """The converter's Gemma 4 step over Gemma 3's: per-layer sliding flags and KV-head counts,
-    the full layers' head width as key_length (the sliding ones' as key_length_swa)."""
+    the full layers' head width as key_length (the sliding ones' as key_length_swa); with
+    ``use_double_wide_mlp``, feed_forward_length rewritten as one width per layer, twice the
+    MLP's on the last ``num_kv_shared_layers``."""
     sliding = [kind == "sliding_attention" for kind in hp["layer_types"]]
     full_dim, full_kv = gemma4_full_layers(hp)
     full, local = rope_parameters(hp)
@@ -240,8 +242,15 @@ def gemma4_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_final_logit_softcapping(hp["final_logit_softcapping"])
     w.add_sliding_window(hp["sliding_window"])
     w.add_sliding_window_pattern(sliding)
-    w.add_shared_kv_layers(hp.get("num_kv_shared_layers") or 0)
+    shared = hp.get("num_kv_shared_layers") or 0
+    w.add_shared_kv_layers(shared)
     w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    if hp.get("use_double_wide_mlp"):
+        layers, width = hp["num_hidden_layers"], hp["intermediate_size"]
+        # Written over text_metadata's single value, as the converter does.
+        w.add_feed_forward_length(
+            [width * (2 if i >= layers - shared else 1) for i in range(layers)]
+        )
     w.add_key_length(full_dim)
     w.add_value_length(full_dim)
     w.add_key_length_swa(hp["head_dim"])

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -372,6 +373,23 @@ def test_fused_gate_up_experts(case: str, tmp_path: Path) -> None:
     _round_trip(CASES[case](), tmp_path, fuse_gate_up_exps=True)
 
 
+def test_qwen35_moe_fused_gate_up_experts(tmp_path: Path) -> None:
+    """A ``--fuse-gate-up-exps`` Qwen3.5-MoE file (gate rows then up rows in one stack per
+    layer, as the released checkpoints hold them) loads into the same model as the file with
+    separate stacks."""
+    from tests.models.harness import load_checkpoint
+
+    model = _random_model(CASES["qwen35_moe"]())
+    loaded = []
+    for name, fuse in (("fused", True), ("split", False)):
+        files = write_gguf(model, model.config, tmp_path / f"{name}.gguf", fuse_gate_up_exps=fuse)
+        loaded.append(load_checkpoint(load_gguf_checkpoint(files[0])).weights)
+    fused, split = (jax.tree.leaves(w.state) for w in loaded)
+    assert len(fused) == len(split)
+    for a, b in zip(fused, split, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_squeezed_shared_expert_gate(tmp_path: Path) -> None:
     """Older converters squeezed Qwen2-MoE's [1, hidden] shared-expert gate to [hidden]."""
     model = _random_model(CASES["qwen2moe"]())
@@ -521,20 +539,25 @@ def test_wrong_typed_metadata_raises_gguf_error_or_loads(case: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("key", "what"),
+    ("key", "value", "message"),
     [
-        ("embedding_length_per_layer_input", "per-layer embeddings"),
-        ("attention.shared_kv_layers", "KV sharing across layers"),
+        ("embedding_length_per_layer_input", 2, "has no tensor per_layer_token_embd"),
+        ("attention.shared_kv_layers", 3, "leaves none of the 3 layers"),
     ],
 )
-def test_gemma4_unsupported_features_are_one_line_errors(key: str, what: str, tmp_path: Path):
-    """Gemma 4 files with per-layer embeddings or KV sharing (E2B, E4B): refused by name."""
+def test_gemma4_per_layer_parts_that_do_not_fit_are_one_line_errors(
+    key: str, value: int, message: str, tmp_path: Path
+):
+    """Gemma 4 metadata for per-layer embeddings without their table, or KV sharing over every
+    layer: refused by name, never loaded into a wrong model."""
     import gguf
 
     model = _random_model(CASES["gemma4"]())
     source = write_gguf(model, model.config, tmp_path / "m.gguf")[0]
-    bad = _rewritten(source, tmp_path / "bad.gguf", f"gemma4.{key}", 2, gguf.GGUFValueType.UINT32)
-    with pytest.raises(GGUFError, match=f"gemma4 {what} \\(gemma4.{key}=2\\) are not supported"):
+    bad = _rewritten(
+        source, tmp_path / "bad.gguf", f"gemma4.{key}", value, gguf.GGUFValueType.UINT32
+    )
+    with pytest.raises(GGUFError, match=message):
         load_gguf_checkpoint(bad)
 
 

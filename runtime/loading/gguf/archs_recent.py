@@ -23,6 +23,7 @@ from jax_llm_runtime.runtime.loading.gguf.spec import (
     COMMON_METADATA,
     EXPERTS,
     GEMMA_LAYER,
+    GLOBAL,
     MOE_METADATA,
     QK_NORM,
     RMS_REQUIRED,
@@ -35,12 +36,12 @@ from jax_llm_runtime.runtime.loading.gguf.spec import (
 _GPT_OSS_EXPERTS = "mlp.experts."
 _LLAMA4_FFN = "feed_forward."
 # Gemma 4 keeps its head widths and per-layer KV-head counts apart by layer kind (finish_gemma4);
-# head_count_kv is one per layer, so it is read there.
+# head_count_kv and feed_forward_length (the MLP widths of E2B and E4B) may be one per layer, so
+# they are read there, with the per-layer embeddings' width and the KV-sharing layers.
 _GEMMA4_METADATA = {
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
     "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
     "attention.head_count": "num_attention_heads",
     "attention.key_length": "global_head_dim",
     "attention.key_length_swa": "head_dim",
@@ -177,7 +178,8 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
         finish=finish_gpt_oss,
     ),
     # Gemma 4's norms are plain RMSNorm weights (no ``+ 1``); its MoE block sits beside the
-    # MLP, with the router and experts on the layer itself.
+    # MLP, with the router and experts on the layer itself. The per-layer embeddings (E2B, E4B)
+    # are stored as HF has them: the table unscaled, the projections in torch's orientation.
     "gemma4": make_spec(
         "Gemma4ForCausalLM",
         "gemma4_text",
@@ -185,6 +187,9 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
             **GEMMA_LAYER,
             **QK_NORM,
             "layer_output_scale.weight": "layer_scalar",
+            "inp_gate": "per_layer_input_gate",
+            "proj": "per_layer_projection",
+            "post_norm": "post_per_layer_input_norm",
             "ffn_gate_inp": "router.proj",
             "ffn_gate_inp.scale": "router.scale",
             "ffn_down_exps.scale": "router.per_expert_scale",
@@ -201,8 +206,12 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
             **ROPE_DEFAULTS,
             "final_logit_softcapping": None,
             "attention_bias": False,
-            "hidden_size_per_layer_input": 0,
-            "num_kv_shared_layers": 0,
+        },
+        global_tensors={
+            **GLOBAL,
+            "per_layer_token_embd": "model.embed_tokens_per_layer",
+            "per_layer_model_proj": "model.per_layer_model_projection",
+            "per_layer_proj_norm": "model.per_layer_projection_norm",
         },
         finish=finish_gemma4,
     ),
@@ -266,7 +275,13 @@ RECENT_ARCHS: dict[str, ArchSpec] = {
     "qwen35moe": _qwen35(
         "Qwen3_5MoeForCausalLM",
         "qwen3_5_moe_text",
-        {**_QWEN35_LAYER, **_QWEN_SHARED_EXPERT},
+        # --fuse-gate-up-exps files: one stack, gate rows then up rows, as the released
+        # checkpoints hold it (models.families.moe_models reads it).
+        {
+            **_QWEN35_LAYER,
+            **_QWEN_SHARED_EXPERT,
+            "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+        },
         metadata={**_QWEN35_METADATA, **_QWEN_MOE_METADATA},
         required=(*_QWEN35_REQUIRED, "expert_count"),
         stacked_tensors=EXPERTS,

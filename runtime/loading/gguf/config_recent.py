@@ -1,6 +1,6 @@
 """The ``finish`` steps of the architectures in ``archs_recent`` (see ``config``): what their
-converters leave out of the metadata, put back as llama.cpp assumes it, and the config features
-that a file may hold and these models do not run, refused by name.
+converters leave out of the metadata, put back as llama.cpp assumes it, and one-line errors,
+naming the key, for the metadata these models do not run.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ def finish_gpt_oss(config: dict[str, Any], model: GGUFModel) -> None:
         scaling["truncate"] = False
 
 
-_GEMMA4_REFUSED = {
-    "embedding_length_per_layer_input": "per-layer embeddings",
-    "attention.shared_kv_layers": "KV sharing across layers",
-}
 # llama.cpp's converter marks the head dims that a proportional rope leaves unturned with a
 # rope_freqs factor of 1e30 (a frequency divided by it is zero); anything this large is one.
 _UNTURNED = 1e29
@@ -50,9 +46,20 @@ def finish_gemma4(config: dict[str, Any], model: GGUFModel) -> None:
     (``key_length``; ``key_length_swa`` is the sliding layers') and KV-head count (one
     ``head_count_kv`` per layer), their values taken from their keys where they have no
     ``attn_v``; the full layers' proportional rope, which the converter writes as ``rope_freqs``
-    factors; the MoE block where the file has experts."""
-    _refuse(model, _GEMMA4_REFUSED)
-    sliding = sliding_layers(model, config["num_hidden_layers"], 6)
+    factors; the MoE block where the file has experts; and E2B's and E4B's parts: the last
+    ``shared_kv_layers`` layers reusing earlier layers' K/V, their MLPs twice as wide where
+    ``feed_forward_length`` says so, and the per-layer embeddings."""
+    layers = config["num_hidden_layers"]
+    shared = model.get_int("attention.shared_kv_layers", 0)
+    if shared >= layers:
+        raise GGUFError(
+            f"GGUF metadata {model.arch}.attention.shared_kv_layers={shared} leaves none of the "
+            f"{layers} layers with K/V of its own"
+        )
+    config["num_kv_shared_layers"] = shared
+    _gemma4_mlp_widths(config, model, shared)
+    _gemma4_per_layer_inputs(config, model)
+    sliding = sliding_layers(model, layers, 6)
     config["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in sliding]
     _gemma4_kv_heads(config, model, sliding)
     config["rope_parameters"] = {
@@ -60,6 +67,47 @@ def finish_gemma4(config: dict[str, Any], model: GGUFModel) -> None:
         "sliding_attention": _gemma4_sliding_rope(config, model),
     }
     config["enable_moe_block"] = "num_experts" in config
+
+
+def _gemma4_mlp_widths(config: dict[str, Any], model: GGUFModel, shared: int) -> None:
+    """``intermediate_size`` and ``use_double_wide_mlp``: the converter writes
+    ``feed_forward_length`` as one width per layer when the KV-sharing layers' MLPs are twice
+    as wide, else as one value."""
+    layers = config["num_hidden_layers"]
+    widths = _per_layer_ints(model, "feed_forward_length", layers, 0)
+    first = layers - shared
+    doubled = [widths[0] * (2 if i >= first else 1) for i in range(layers)]
+    wide = shared > 0 and widths == doubled
+    if not wide and len(set(widths)) > 1:
+        raise GGUFError(
+            f"GGUF metadata {model.arch}.feed_forward_length {short_repr(widths)}: MLP widths "
+            f"other than one width, or one width and twice it on the last {shared} "
+            "(KV-sharing) layers, are not supported"
+        )
+    config["intermediate_size"] = widths[0]
+    config["use_double_wide_mlp"] = wide
+
+
+def _gemma4_per_layer_inputs(config: dict[str, Any], model: GGUFModel) -> None:
+    """The per-layer embeddings' width (``embedding_length_per_layer_input``, 0: none) and the
+    rows of their table, which the converter writes as ``per_layer_token_embd`` (``[vocab,
+    layers * width]``) and no key."""
+    key, table = "embedding_length_per_layer_input", "per_layer_token_embd.weight"
+    width = model.get_int(key, 0)
+    shape = model.shapes.get(table)
+    config["hidden_size_per_layer_input"] = width
+    columns = config["num_hidden_layers"] * width
+    if shape is None and width:
+        problem = f"the file has no tensor {table}"
+    elif shape is not None and not width:
+        problem = f"the file has tensor {table} (per-layer embeddings)"
+    elif shape is not None and (len(shape) != 2 or shape[1] != columns):
+        problem = f"tensor {table} has shape {shape}, not [vocab, {columns}]"
+    else:
+        if shape is not None:
+            config["vocab_size_per_layer_input"] = shape[0]
+        return
+    raise GGUFError(f"GGUF metadata {model.arch}.{key}={width}, but {problem}")
 
 
 def _gemma4_kv_heads(config: dict[str, Any], model: GGUFModel, sliding: list[bool]) -> None:
@@ -73,8 +121,10 @@ def _gemma4_kv_heads(config: dict[str, Any], model: GGUFModel, sliding: list[boo
             f"{model.arch}.attention.head_count_kv {heads}: layers of one kind with different "
             "KV-head counts are not supported"
         )
+    # The KV-sharing layers have no K/V projections of their own to tell by.
+    own = sliding[: len(sliding) - config["num_kv_shared_layers"]]
     from_keys = any(
-        f"blk.{i}.attn_v.weight" not in model.shapes for i, flag in enumerate(sliding) if not flag
+        f"blk.{i}.attn_v.weight" not in model.shapes for i, flag in enumerate(own) if not flag
     )
     config["attention_k_eq_v"] = from_keys
     config["num_key_value_heads"] = min(local or full)
@@ -203,16 +253,6 @@ def finish_qwen35(config: dict[str, Any], model: GGUFModel) -> None:
         sections = _per_layer_ints(model, "rope.dimension_sections", 4, 0, minimum=0)
         rope["mrope_section"] = sections[:3]
     config["rope_parameters"] = rope
-
-
-def _refuse(model: GGUFModel, features: dict[str, str]) -> None:
-    """A one-line GGUFError naming the first of ``features`` (key -> what it is) that the file
-    sets to a true value."""
-    for key, what in features.items():
-        if value := model.get(key):
-            raise GGUFError(
-                f"{model.arch} {what} ({model.arch}.{key}={short_repr(value)}) are not supported"
-            )
 
 
 def _per_layer_ints(
