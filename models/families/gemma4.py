@@ -98,12 +98,15 @@ def _full_layer_shape(text: dict[str, Any], types: list[str]) -> tuple[int, int]
     kv = int(text["num_key_value_heads"])
     local = int(text["head_dim"]), kv
     overrides = text.get("per_layer_config")
+    if overrides is not None:
+        # transformers writes the layer keys zero-padded to one width ("04" of 35 layers).
+        overrides = {int(layer): fields for layer, fields in overrides.items()}
     if overrides is None:
         global_kv = text.get("num_global_key_value_heads") if text.get("attention_k_eq_v") else None
         return int(text.get("global_head_dim", 512)), int(global_kv or kv)
     shapes = set()
     for i, kind in enumerate(types):
-        layer = overrides.get(str(i)) or overrides.get(i) or {}
+        layer = overrides.get(i) or {}
         if set(layer) - _LAYER_OVERRIDES:
             raise ValueError(
                 f"Gemma 4 per_layer_config sets {sorted(set(layer) - _LAYER_OVERRIDES)}"

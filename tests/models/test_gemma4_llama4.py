@@ -146,6 +146,19 @@ def test_gemma4_per_layer_embeddings_and_kv_sharing(tmp_path):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_gemma4_saved_config_of_ten_layers_or_more():
+    """transformers saves ``per_layer_config`` with zero-padded layer keys ("04" of 12 layers),
+    as every released Gemma 4 has ten layers or more."""
+    from jax_llm_runtime.models.registry import model_config_from_hf
+
+    types = (["sliding_attention"] * 4 + ["full_attention"]) * 2 + ["sliding_attention"] * 2
+    hf = _gemma4_config(num_hidden_layers=12, layer_types=types).to_dict()
+    assert sorted(hf["per_layer_config"]) == ["04", "09", "11"]  # the last layer is full
+    _, cfg = model_config_from_hf(hf)
+    assert cfg.attention.head_dims == (16, 32)
+    assert [i for i, s in enumerate(cfg.sliding_layers) if not s] == [4, 9, 11]
+
+
 def test_gemma4_kv_sharing_without_an_earlier_layer_of_its_kind_is_refused():
     from jax_llm_runtime.models.registry import model_config_from_hf
 
