@@ -98,8 +98,9 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are read from replies: auto = the format the chat template names "
         "(hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for <|python_tag|>, "
         "qwen3_coder for <function=..><parameter=..>, glm45 for <arg_key>, minimax_m2 for "
-        "<minimax:tool_call>, openai for gpt-oss's harmony channels), or json with the tools "
-        "described in a system message when it names none (default: %(default)s)",
+        "<minimax:tool_call>, gemma4 for <|tool_call>call:, openai for gpt-oss's harmony "
+        "channels), or json with the tools described in a system message when it names none "
+        "(default: %(default)s)",
     )
     add(
         "--max-request-body-bytes",

@@ -34,7 +34,7 @@ from jax_llm_runtime.api.service.settings import ServerConfig
 from jax_llm_runtime.api.tool_calling.chat import ToolCallPieces, ToolRequest
 from jax_llm_runtime.runtime.engine.interface import EngineClient
 from jax_llm_runtime.runtime.engine.request import SamplingParams
-from jax_llm_runtime.runtime.text.tokenizer import HARMONY_MARKERS
+from jax_llm_runtime.runtime.text.tokenizer import SPECIAL_TOKEN_MARKERS
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,8 @@ async def start_chat(
         engine.max_model_len,
     )
     sampling = dataclasses.replace(build_sampling(body, max_tokens), grammar=grammar)
-    harmony = getattr(engine.tokenizer, "reasoning_markers", None) == HARMONY_MARKERS
-    if tools is not None or harmony:  # markers may be special tokens: the parsers must see them
+    special = getattr(engine.tokenizer, "reasoning_markers", None) in SPECIAL_TOKEN_MARKERS
+    if tools is not None or special:  # markers may be special tokens: the parsers must see them
         sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     n = resolve_n(body.n, config.max_n)
     check_top_logprobs(sampling.logprobs, config.max_top_logprobs, "top_logprobs")

@@ -8,11 +8,16 @@
    block themselves); the reasoning ends at the end marker and everything after it is content.
    A marker anywhere else is ordinary text. A reply cut off inside the reasoning (max_tokens)
    is all reasoning.
-3. gpt-oss marks reasoning by harmony channels instead (``HarmonyReasoningParser``): the
+3. Gemma 4 thinks in a channel, ``<|channel>thought`` ... ``<channel|>``
+   (``Gemma4ReasoningParser``): the label ``thought`` and the whitespace after it are markup,
+   and a block is reasoning wherever it stands, since the channel markers are special tokens
+   that ordinary text cannot hold. A ``<|channel>`` not followed by ``thought``, and a ``<channel|>`` outside a block, are
+   dropped (the model writes an empty channel, or a stray end, now and then).
+4. gpt-oss marks reasoning by harmony channels instead (``HarmonyReasoningParser``): the
    ``analysis`` messages are reasoning; the other messages' bodies are content, without their
    markup, except messages to a recipient (tool calls), which stay whole for the ``openai``
    tool parser.
-4. ``ReasoningPieces`` applies a parser to a ``Generation``'s pieces for the chat route (filling
+5. ``ReasoningPieces`` applies a parser to a ``Generation``'s pieces for the chat route (filling
    ``TextPiece.reasoning``) and counts ``usage.completion_tokens_details.reasoning_tokens``: the
    tokens whose text went to the reasoning (the marker tokens are not counted).
 """
@@ -31,16 +36,19 @@ from jax_llm_runtime.api.protocol.bodies import Usage
 from jax_llm_runtime.api.tool_calling.parsers.harmony import HarmonyLexer, Kind, Route, route
 from jax_llm_runtime.runtime.engine.interface import TokenizerLike
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
-from jax_llm_runtime.runtime.text.tokenizer import HARMONY_MARKERS
+from jax_llm_runtime.runtime.text.tokenizer import GEMMA4_MARKERS, HARMONY_MARKERS
 
 # Enough prompt tokens to hold a start marker and the whitespace a template puts after it.
 _PROMPT_TAIL_TOKENS = 16
+CHANNEL_OPEN, CHANNEL_CLOSE, THOUGHT = "<|channel>", "<channel|>", "thought"
 
 
 class _State(enum.Enum):
     OPENING = "opening"  # nothing but whitespace seen yet: the start marker may still come
     REASONING = "reasoning"
     CONTENT = "content"
+    CHANNEL = "channel"  # Gemma 4: just after <|channel>, its name still to come
+    LABEL = "label"  # Gemma 4: after the label "thought", the whitespace that ends it
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,84 @@ class ReasoningParser:
         return "".join(reasoning), "".join(content)
 
 
+class Gemma4ReasoningParser(ReasoningParser):
+    """Gemma 4's thinking channel; see the module docstring.
+
+    ``in_reasoning``: the prompt already opened the thought block, so the reply starts inside it.
+    """
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        super().__init__(*GEMMA4_MARKERS)
+        self._state = _State.LABEL if in_reasoning else _State.OPENING
+
+    def flush(self) -> ReasoningDelta:
+        """The reply ended: release held-back text (a channel cut off before its text is none)."""
+        if self._state in (_State.CHANNEL, _State.LABEL):
+            self._held = ""
+            return ReasoningDelta("", "")
+        return super().flush()
+
+    def _split(self, buf: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            state = self._state
+            if state is _State.CHANNEL:
+                if buf.startswith(THOUGHT):
+                    self._state, buf = _State.LABEL, buf[len(THOUGHT) :]
+                elif THOUGHT.startswith(buf):  # the name may still be the label
+                    self._held = buf
+                    break
+                else:
+                    self._state = _State.CONTENT  # an empty channel: its marker is dropped
+            elif state is _State.LABEL:
+                buf = buf.lstrip()
+                if not buf:
+                    self._held = ""
+                    break
+                self._state = _State.REASONING
+            elif state is _State.REASONING:
+                index = buf.find(CHANNEL_CLOSE)
+                if index < 0:
+                    keep = _partial_suffix(buf, CHANNEL_CLOSE)
+                    reasoning.append(buf[: len(buf) - keep])
+                    self._held = buf[len(buf) - keep :]
+                    break
+                reasoning.append(buf[:index])
+                self._state, buf = _State.CONTENT, buf[index + len(CHANNEL_CLOSE) :]
+            else:
+                rest = self._content_step(buf, content)
+                if rest is None:
+                    break
+                buf = rest
+        return "".join(reasoning), "".join(content)
+
+    def _content_step(self, buf: str, content: list[str]) -> str | None:
+        """Content up to the next channel marker, and the text after that marker; None when
+        there is none yet (the undecided end is held back)."""
+        opens, closes = buf.find(CHANNEL_OPEN), buf.find(CHANNEL_CLOSE)
+        found = [i for i in (opens, closes) if i >= 0]
+        opening = self._state is _State.OPENING
+        if not found:
+            keep = max(_partial_suffix(buf, CHANNEL_OPEN), _partial_suffix(buf, CHANNEL_CLOSE))
+            text = buf[: len(buf) - keep]
+            if opening and not text.strip():  # only whitespace yet: a block may still follow
+                self._held = buf
+                return None
+            content.append(text)
+            self._held = buf[len(buf) - keep :]
+            self._state = _State.CONTENT
+            return None
+        index = min(found)
+        if not (opening and not buf[:index].strip()):  # whitespace before a first block is dropped
+            content.append(buf[:index])
+        if index == opens:
+            self._state = _State.CHANNEL
+            return buf[index + len(CHANNEL_OPEN) :]
+        self._state = _State.CONTENT  # a stray end marker
+        return buf[index + len(CHANNEL_CLOSE) :]
+
+
 class HarmonyReasoningParser:
     """``ReasoningParser``'s interface over a harmony reply (see the module docstring)."""
 
@@ -181,7 +267,7 @@ class HarmonyReasoningParser:
 
 
 class Splitter(Protocol):
-    """``ReasoningParser`` or ``HarmonyReasoningParser``."""
+    """``ReasoningParser`` (or ``Gemma4ReasoningParser``) or ``HarmonyReasoningParser``."""
 
     reasoning_tokens: int
 
@@ -265,4 +351,7 @@ def split_reasoning(
         return ReasoningPieces(generation, HarmonyReasoningParser())
     start, end = markers
     tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return ReasoningPieces(generation, ReasoningParser(start, end, tail.rstrip().endswith(start)))
+    in_reasoning = tail.rstrip().endswith(start)
+    if markers == GEMMA4_MARKERS:
+        return ReasoningPieces(generation, Gemma4ReasoningParser(in_reasoning))
+    return ReasoningPieces(generation, ReasoningParser(start, end, in_reasoning))

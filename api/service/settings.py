@@ -34,6 +34,7 @@ TOOL_PARSERS = (
     "qwen3_coder",
     "glm45",
     "minimax_m2",
+    "gemma4",
     "openai",
 )
 

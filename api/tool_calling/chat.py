@@ -41,7 +41,9 @@ from jax_llm_runtime.runtime.engine.grammar import GrammarError, lark_grammar
 from jax_llm_runtime.runtime.engine.request import TokenLogprobs
 
 # Formats with no grammar to force a call in (their arguments are not one JSON value).
-_UNFORCED_PARSERS = frozenset({"llama3_function", "qwen3_coder", "glm45", "minimax_m2", "openai"})
+_UNFORCED_PARSERS = frozenset(
+    {"llama3_function", "qwen3_coder", "glm45", "minimax_m2", "gemma4", "openai"}
+)
 # The system message for templates that do not render tools themselves.
 _INSTRUCTIONS = (
     "You can call these functions:\n{tools}\n\nTo call a function, reply with only a JSON object "

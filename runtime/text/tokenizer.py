@@ -196,19 +196,30 @@ REASONING_MARKERS = (("<think>", "</think>"),)
 # gpt-oss: reasoning is harmony's analysis channel. Its replies are split by the channels of
 # their messages, not by a marker pair (``api.generation.reasoning``); this pair names the format.
 HARMONY_MARKERS = ("<|channel|>analysis<|message|>", "<|end|>")
+# Gemma 4: ``<|channel>thought`` ... ``<channel|>``, the channel tokens special ones; its replies
+# are split by ``api.generation.reasoning.Gemma4ReasoningParser``.
+GEMMA4_MARKERS = ("<|channel>thought", "<channel|>")
+# Markers that are special tokens, which a decode that skips special tokens would drop: the chat
+# route keeps special tokens in the text of these models' replies.
+SPECIAL_TOKEN_MARKERS = (HARMONY_MARKERS, GEMMA4_MARKERS)
 
 
 def detect_reasoning_markers(
     vocab: dict[str, int], chat_template: str | None
 ) -> tuple[str, str] | None:
     """The model's think markers: ``HARMONY_MARKERS`` for a harmony model (``<|channel|>`` and
-    ``<|message|>`` are tokens of its vocabulary, or its template writes channels), else a
-    known pair whose both halves are tokens of its vocabulary, or appear in its chat template;
-    None for a model without them."""
+    ``<|message|>`` are tokens of its vocabulary, or its template writes channels),
+    ``GEMMA4_MARKERS`` for Gemma 4 (``<|channel>`` and ``<channel|>`` are tokens of its
+    vocabulary, or its template writes ``<channel|>``), else a known pair whose both halves are
+    tokens of its vocabulary, or appear in its chat template; None for a model without them."""
     if ("<|channel|>" in vocab and "<|message|>" in vocab) or (
         chat_template and "<|channel|>" in chat_template
     ):
         return HARMONY_MARKERS
+    if ("<|channel>" in vocab and "<channel|>" in vocab) or (
+        chat_template and "<channel|>" in chat_template
+    ):
+        return GEMMA4_MARKERS
     for start, end in REASONING_MARKERS:
         if (start in vocab and end in vocab) or (chat_template and end in chat_template):
             return start, end
@@ -234,9 +245,19 @@ def _default_template(hf: Any) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+# Gemma 4 ends a turn that calls a tool with the call: the next token it writes opens the tool's
+# response, which the caller supplies, so that token ends generation (as llama.cpp and vLLM treat
+# it), whether or not the model's config lists it.
+_CALL_ENDS_TURN = {"<|tool_call>": "<|tool_response>"}
+
+
 def _with_hf_eos(eos: set[int], hf: Any) -> frozenset[int]:
     if hf.eos_token_id is not None:
         eos.add(hf.eos_token_id)
+    vocab = hf.get_vocab()
+    for call, response in _CALL_ENDS_TURN.items():
+        if call in vocab and response in vocab:
+            eos.add(vocab[response])
     return frozenset(eos)
 
 

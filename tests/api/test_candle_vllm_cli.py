@@ -336,7 +336,7 @@ def test_enforce_parser_picks_our_tool_parser(
 
 
 @pytest.mark.parametrize("flag", ["--tool-parser", "--tool-call-parser"])
-@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "minimax_m2", "openai"])
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "minimax_m2", "gemma4", "openai"])
 def test_tool_parser_takes_vllm_names_and_spelling(
     flag: str, name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,9 +10,9 @@ import pytest
 from litestar.testing import TestClient
 
 from jax_llm_runtime.api.app import create_app
-from jax_llm_runtime.api.generation.reasoning import ReasoningParser
+from jax_llm_runtime.api.generation.reasoning import Gemma4ReasoningParser, ReasoningParser
 from jax_llm_runtime.runtime.engine.mock import MockEngine
-from jax_llm_runtime.runtime.text.tokenizer import detect_reasoning_markers
+from jax_llm_runtime.runtime.text.tokenizer import GEMMA4_MARKERS, detect_reasoning_markers
 from tests.api.conftest import assert_error, sse_chunks
 
 START, END = "<think>", "</think>"
@@ -76,6 +76,74 @@ def test_markers_are_detected_from_the_vocabulary_or_the_template() -> None:
     assert detect_reasoning_markers({"<think>": 5, "</think>": 6}, None) == (START, END)
     assert detect_reasoning_markers({}, "{{ '</think>' }}") == (START, END)
     assert detect_reasoning_markers({"<think>": 5}, "{{ messages }}") is None
+
+
+# Gemma 4: <|channel>thought ... <channel|>, as the model writes it with and without thinking.
+GEMMA4_CASES = [
+    # (reply, in_reasoning, reasoning, content)
+    (
+        "<|channel>thought\nThe user wants 2+2.\nThat is 4.<channel|>It is 4.",
+        False,
+        "The user wants 2+2.\nThat is 4.",
+        "It is 4.",
+    ),
+    (
+        "<|channel>thought\nNeed the forecast.<channel|>"
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        False,
+        "Need the forecast.",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+    ),
+    ("<|channel>thought<channel|>It is 4.", False, "", "It is 4."),
+    ("\n <|channel>thought\nhm<channel|>\nok", False, "hm", "\nok"),
+    ("It is 4.<|channel>thought\n<channel|>", False, "", "It is 4."),  # a trailing empty one
+    ("It is 4.<channel|>", False, "", "It is 4."),  # a stray end
+    ("<|channel><|channel>thought\n<channel|>It is 4.", False, "", "It is 4."),
+    ("<|channel>final answer", False, "", "final answer"),  # not the thought channel
+    ("<|channel>thought\ncut off <chan", False, "cut off <chan", ""),
+    ("<|channel>thou", False, "", ""),
+    ("weighing it<channel|>4", True, "weighing it", "4"),
+    (
+        "Plain, with < and | and channel|> in it.",
+        False,
+        "",
+        "Plain, with < and | and channel|> in it.",
+    ),
+    ("  ", False, "", "  "),
+]
+
+
+@pytest.mark.parametrize(("reply", "in_reasoning", "reasoning", "content"), GEMMA4_CASES)
+def test_gemma4_channel_splits_at_any_split_points(
+    reply: str, in_reasoning: bool, reasoning: str, content: str
+) -> None:
+    rng = random.Random(reply)
+    for pieces in [[reply], list(reply)] + [_random_split(reply, rng) for _ in range(50)]:
+        parser = Gemma4ReasoningParser(in_reasoning)
+        outs = [parser.feed(p, 1) for p in pieces] + [parser.flush()]
+        got = "".join(o.reasoning for o in outs), "".join(o.content for o in outs)
+        assert got == (reasoning, content), pieces
+        for out in outs:  # no piece shows part of a channel marker the split text does not hold
+            for marker in ("<|channel>", "<channel|>"):
+                for n in range(2, len(marker) + 1):
+                    if marker[:n] not in reasoning + content:
+                        assert marker[:n] not in out.reasoning + out.content, (pieces, out)
+
+
+def test_gemma4_counts_reasoning_tokens_not_the_label() -> None:
+    parser = Gemma4ReasoningParser()
+    for token in ["<|channel>", "thought", "\n", "a", "b", "<channel|>", "c"]:
+        parser.feed(token, 1)
+    parser.flush()
+    assert parser.reasoning_tokens == 2
+
+
+def test_gemma4_markers_are_detected_from_the_vocabulary_or_the_template() -> None:
+    vocab = {"<|channel>": 100, "<channel|>": 101, "<|tool_call>": 48}
+    assert detect_reasoning_markers(vocab, None) == GEMMA4_MARKERS
+    template = "{%- for part in text.split('<channel|>') -%}{{ part }}{%- endfor -%}"
+    assert detect_reasoning_markers({}, template) == GEMMA4_MARKERS
+    assert detect_reasoning_markers({"<|channel>": 100}, None) is None
 
 
 def test_parser_rejects_empty_markers() -> None:

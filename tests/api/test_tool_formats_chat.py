@@ -1,7 +1,8 @@
 """The newer models' formats through the chat route (mock engine, scripted replies): gpt-oss's
 harmony channels split into reasoning, content and calls, with and without tools, whole and
 streamed; GLM 4.5 and Qwen3-Coder calls after ``<think>`` reasoning, their values typed by the
-request's tool schemas. And the harmony reasoning split on its own, at random cuts."""
+request's tool schemas; Gemma 4's calls after its thought channel. And the harmony reasoning
+split on its own, at random cuts."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from jax_llm_runtime.api.generation.reasoning import HarmonyReasoningParser
 from jax_llm_runtime.api.service.settings import ServerConfig
 from jax_llm_runtime.api.tool_calling.parsers import PARSERS, collect
 from jax_llm_runtime.runtime.engine.mock import MockEngine
-from jax_llm_runtime.runtime.text.tokenizer import HARMONY_MARKERS, detect_reasoning_markers
+from jax_llm_runtime.runtime.text.tokenizer import (
+    GEMMA4_MARKERS,
+    HARMONY_MARKERS,
+    detect_reasoning_markers,
+)
 from tests.api.conftest import assert_error, sse_chunks
 
 WEATHER = {
@@ -147,7 +152,56 @@ def test_qwen3_coder_calls_stream_as_deltas() -> None:
         assert [c["function"] for c in message["tool_calls"]] == got["calls"]
 
 
-@pytest.mark.parametrize("parser", ["qwen3_coder", "glm45", "minimax_m2", "openai"])
+GEMMA4_CALLS = (
+    "<|channel>thought\nThe user wants Paris for 3 days and Lyon too.<channel|>"
+    '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+    '<|tool_call>call:get_weather{city:<|"|>Lyon<|"|>}<tool_call|>'
+)
+
+
+def test_gemma4_calls_after_its_thought_channel() -> None:
+    for client in client_for(GEMMA4_CALLS, "gemma4", GEMMA4_MARKERS):
+        choice = chat(client).json()["choices"][0]
+        message = choice["message"]
+        assert choice["finish_reason"] == "tool_calls"
+        assert message["reasoning_content"] == "The user wants Paris for 3 days and Lyon too."
+        assert message["content"] is None
+        functions = [call["function"] for call in message["tool_calls"]]
+        assert functions == [
+            {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            {"name": "get_weather", "arguments": '{"city": "Lyon"}'},
+        ]
+        got = streamed(client)
+        assert got == {
+            "content": "",
+            "reasoning": message["reasoning_content"],
+            "calls": functions,
+            "finish": "tool_calls",
+        }
+
+
+def test_gemma4_answer_keeps_special_tokens_for_its_channel() -> None:
+    reply = "<|channel>thought\nA greeting.<channel|>Hi there!<|channel>thought\n<channel|>"
+    engine = MockEngine(reply=reply, max_model_len=2048)
+    engine.tokenizer.reasoning_markers = GEMMA4_MARKERS
+    with TestClient(create_app(engine)) as client:
+        body = {"model": "mock-model", "messages": ASK}
+        response = client.post("/v1/chat/completions", json=body)
+    message = response.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("A greeting.", "Hi there!")
+    assert engine.requests[-1].sampling.skip_special_tokens is False
+
+
+def test_gemma4_call_cut_off_by_max_tokens_is_dropped() -> None:
+    reply = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+    for client in client_for(reply, "gemma4", GEMMA4_MARKERS):
+        choice = chat(client, max_tokens=40).json()["choices"][0]  # cut inside "Paris"
+        assert choice["finish_reason"] == "length"
+        assert "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == ""  # the markup never reaches it
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "glm45", "minimax_m2", "gemma4", "openai"])
 def test_forced_calls_are_refused_for_formats_without_a_grammar(parser: str) -> None:
     for client in client_for("x", parser, None):
         error = assert_error(chat(client, tool_choice="required"), 400, param="tool_choice")

@@ -41,6 +41,7 @@ MARKUP = {
     "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "</parameter>"),
     "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_value>"),
     "minimax_m2": ("<minimax:tool_call>", "<invoke name=", "<parameter name=", "</invoke>"),
+    "gemma4": ("<|tool_call>", "<tool_call|>", "call:", '<|"|>'),
     "openai": (
         "<|start|>",
         "<|channel|>",
@@ -815,6 +816,130 @@ CASES = [
         [],
         clean=False,
     ),
+    # Gemma 4: <|tool_call>call:name{...}<tool_call|>, strings between <|"|> quote tokens.
+    Case(
+        "gemma4",
+        "single",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
+        None,
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    Case(
+        "gemma4",
+        "two calls after text",
+        "I'll check both cities.\n"
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_call>call:get_weather{city:<|"|>Tokyo<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>',
+        "I'll check both cities.",
+        [
+            ("get_weather", '{"city": "Paris"}'),
+            ("get_weather", '{"city": "Tokyo", "unit": "celsius"}'),
+        ],
+    ),
+    Case(
+        "gemma4",
+        "nested arguments, JSON's special characters inside strings",
+        '<|tool_call>call:search{exact:false,filters:{genre:<|"|>spy<|"|>,'
+        'year:{from:1962,to:null}},limit:-1.5e3,query:<|"|>007 "quoted" {x} [y], a: b\\n<|"|>,'
+        'tags:[<|"|>a<|"|>,<|"|>b, c<|"|>,[],{}]}<tool_call|>',
+        None,
+        [
+            (
+                "search",
+                '{"exact": false, "filters": {"genre": "spy", "year": {"from": 1962, "to": null}}, '
+                '"limit": -1.5e3, "query": "007 \\"quoted\\" {x} [y], a: b\\\\n", '
+                '"tags": ["a", "b, c", [], {}]}',
+            )
+        ],
+    ),
+    Case(
+        "gemma4",
+        "no arguments",
+        "<|tool_call>call:list_files{}<tool_call|>",
+        None,
+        [("list_files", "{}")],
+    ),
+    Case(
+        "gemma4",
+        "code with line breaks, quotes and markup in a string",
+        '<|tool_call>call:write_file{content:<|"|><div class="x">\n  {{ a < b }}\n</div>\n'
+        '<|"|>,path:<|"|>index.html<|"|>}<tool_call|>',
+        None,
+        [
+            (
+                "write_file",
+                '{"content": "<div class=\\"x\\">\\n  {{ a < b }}\\n</div>\\n", '
+                '"path": "index.html"}',
+            )
+        ],
+    ),
+    Case(
+        "gemma4",
+        "bare words and the literals Jinja writes",
+        "<|tool_call>call:set_mode{level:None,mode:fast,verbose:True}<tool_call|>",
+        None,
+        [("set_mode", '{"level": null, "mode": "fast", "verbose": true}')],
+    ),
+    Case(
+        "gemma4",
+        "keys between quote tokens",
+        '<|tool_call>call:set_headers{headers:{<|"|>Content-Type<|"|>:<|"|>text/html<|"|>}}'
+        "<tool_call|>",
+        None,
+        [("set_headers", '{"headers": {"Content-Type": "text/html"}}')],
+    ),
+    Case(
+        "gemma4",
+        "the reply ends after the call, without its close",
+        'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}',
+        "Checking.",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    Case(
+        "gemma4",
+        "cut off by max_tokens inside a string",
+        'Sure.\n<|tool_call>call:write_file{path:<|"|>a.py<|"|>,content:<|"|>def f():\n    ret',
+        "Sure.",
+        [("write_file", '{"path": "a.py", "content": "def f():\\n    ret')],
+    ),
+    Case(
+        "gemma4",
+        "cut off by max_tokens inside a number: it is not sent",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:1',
+        None,
+        [("get_weather", '{"city": "Paris", "days": ')],
+    ),
+    Case(
+        "gemma4",
+        "a string left open ends at the close marker",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<tool_call|>Anything else?',
+        "Anything else?",
+        [("get_weather", '{"city": "Paris')],
+    ),
+    Case(
+        "gemma4",
+        "broken after the call was announced: the rest is content",
+        "<|tool_call>call:get_weather{days:3 city:Paris}<tool_call|>",
+        "city:Paris}<tool_call|>",
+        [("get_weather", '{"days": 3')],
+        clean=False,
+    ),
+    Case(
+        "gemma4",
+        "the marker without a call is content",
+        "Gemma writes <|tool_call> before a call.",
+        "Gemma writes <|tool_call> before a call.",
+        [],
+        clean=False,
+    ),
+    Case(
+        "gemma4",
+        "JSON arguments are not this format: content",
+        '<|tool_call>{"name": "get_weather", "arguments": {}}<tool_call|>',
+        '<|tool_call>{"name": "get_weather", "arguments": {}}<tool_call|>',
+        [],
+        clean=False,
+    ),
     # gpt-oss: harmony messages.
     Case(
         "openai",
@@ -1016,6 +1141,9 @@ SOUP = [
     '<parameter name="a">',
     "</parameter>",
     "</minimax:tool_call>",
+    "call:f{",
+    "k:",
+    "<|tool_call>call:f{a:",
 ]
 soup_text = st.lists(st.one_of(st.sampled_from(SOUP), st.text(max_size=4)), max_size=40).map(
     "".join
@@ -1254,6 +1382,12 @@ def test_harmony_round_trip(
             "minimax_m2",
         ),
         ("{{- '<seed:tool_call>\\n<function=' + name + '>\\n<parameter=' + k + '>' }}", None),
+        (
+            "{%- for call in message['tool_calls'] -%}"
+            "{{- '<|tool_call>call:' + call['function']['name'] + '{' -}}"
+            "{{- key }}:{{ value }}{{- '}<tool_call|>' -}}{%- endfor -%}",
+            "gemma4",
+        ),
         (
             "{%- if tool_call.recipient %}{{- '<|start|>assistant to=' + recipient }}"
             "{{- '<|channel|>commentary json<|message|>' }}{%- endif %}",

@@ -190,6 +190,23 @@ def test_from_pretrained_dir_eos_union_and_no_remote_code(
     assert tok.apply_chat_template(CONVERSATIONS[0]).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
+def test_a_tool_response_token_after_gemma4_calls_ends_generation(
+    smollm2: tuple[Tokenizer, object], tmp_path: Path
+) -> None:
+    """A vocabulary with Gemma 4's call and response tokens: the response token ends the turn
+    (the caller writes the tool's response), though no config lists it."""
+    _, ref = smollm2
+    ref.save_pretrained(str(tmp_path))  # type: ignore[attr-defined]
+    plain = Tokenizer.from_pretrained_dir(tmp_path)
+    hf = Tokenizer.from_pretrained_dir(tmp_path).hf
+    hf.add_special_tokens({"additional_special_tokens": ["<|tool_call>", "<|tool_response>"]})
+    hf.save_pretrained(str(tmp_path))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    response = hf.convert_tokens_to_ids("<|tool_response>")
+    assert tok.eos_token_ids == plain.eos_token_ids | {response}
+
+
 def test_from_gguf_rejects_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"GGUF" + bytes(30))

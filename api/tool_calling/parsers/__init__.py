@@ -2,8 +2,9 @@
 
 The parsers are pure Python over the reply's text, which must be decoded with the special tokens
 that serve as markers kept (``[TOOL_CALLS]``, ``<|python_tag|>``, ``<tool_call>`` in Qwen,
-harmony's ``<|channel|>`` and the rest in gpt-oss): the chat route decodes with
-``skip_special_tokens=False`` whenever a request has tools, and always for a harmony model.
+harmony's ``<|channel|>`` and the rest in gpt-oss, Gemma 4's ``<|tool_call>`` and ``<|"|>``):
+the chat route decodes with ``skip_special_tokens=False`` whenever a request has tools, and
+always for a model whose reasoning markers are special tokens (harmony, Gemma 4).
 
 Formats
 -------
@@ -83,6 +84,22 @@ it; ``KEY`` and ``NAME`` are 1-256 characters, trimmed, without ``< > { } [ ] "`
   Values are typed by the request's tool schemas (``schemas.typed_value``): a string, unless
   the parameter's schema allows only non-string types and VALUE parses as JSON.
 
+``gemma4`` (Gemma 4)::
+
+    text* ( "<|tool_call>" ws "call:" NAME object [ ws "<tool_call|>" ] text* )*
+    object = "{" ws [ member ( ws "," ws member )* [ ws "," ] ] ws "}"
+    member = ( KEY | Q KEY Q ) ws ":" ws value
+    value  = Q STRING Q | object | list | BARE
+    list   = "[" ws [ value ( ws "," ws value )* [ ws "," ] ] ws "]"
+
+  Q is the quote token ``<|"|>``; STRING is any text up to the next Q, nothing escaped (a
+  call marker in it means it was never closed). KEY is 1-256 characters up to its ``:``,
+  trimmed, without ``{ } [ ] , < > "`` or line breaks; NAME 1-256 characters without
+  whitespace or ``{ } ( ) < > [ ] " , : ; '``. BARE runs to whitespace or ``, { } [ ] < >``:
+  a JSON number as written, ``true``, ``false``, ``null`` (or Python's ``True``, ``False``,
+  ``None``, which Jinja writes), else a string of that text. A call the reply ends right
+  after needs no ``<tool_call|>``.
+
 ``openai`` (gpt-oss: OpenAI's harmony format)::
 
     reply   = ( text | message )*
@@ -110,6 +127,8 @@ same string. Like OpenAI's, it is usually valid JSON but not always: validate be
 The XML formats are the exception: their arguments are the JSON object of the parameters,
 written by the parser (``json.dumps`` of each key and typed value, ``", "`` and ``": "``
 between them), sent a parameter at a time as each one's value closes; ``{}`` without any.
+So is ``gemma4``, whose notation is not JSON: the parser writes ``json.dumps`` of the arguments
+object, sending strings as their text arrives and other values as each one ends.
 
 Ids
 ---
@@ -127,7 +146,8 @@ final and ``finish()`` the rest. An event is a ``ContentDelta`` or a ``ToolCallD
    strings are), and so is trailing whitespace: whitespace right before markup is dropped, and
    whitespace right after it is sent only when text follows and content came before.
 2. A call is announced (``{index, id, type, function: {name, arguments: ""}}``) once its name is
-   known (XML formats and harmony: as soon as its name or header is read) and its arguments have begun (an object's ``{`` and next token) or are complete (a
+   known (XML formats and harmony: as soon as its name or header is read; gemma4: at the ``{``
+   after its name) and its arguments have begun (an object's ``{`` and next token) or are complete (a
    string, or the call object closed without them). From then on each fragment
    (``{index, function: {arguments}}``) is the arguments text as it arrives; whitespace between
    tokens is held until what follows it arrives. The fragments concatenate to ``arguments``.
@@ -164,6 +184,7 @@ from jax_llm_runtime.api.tool_calling.parsers.formats import (
     Llama3JsonParser,
     MistralParser,
 )
+from jax_llm_runtime.api.tool_calling.parsers.gemma4 import Gemma4Parser
 from jax_llm_runtime.api.tool_calling.parsers.harmony import HarmonyParser, HarmonyStream
 from jax_llm_runtime.api.tool_calling.parsers.stream import ToolCallStream, ToolParser
 from jax_llm_runtime.api.tool_calling.parsers.xml_calls import (
@@ -183,6 +204,7 @@ PARSERS: dict[str, type[ToolParser]] = {
         Qwen3CoderParser,
         Glm45Parser,
         MiniMaxM2Parser,
+        Gemma4Parser,
         HarmonyParser,
     )
 }

@@ -4,18 +4,19 @@ A template that can render tool calls writes them back into the history in the v
 model was trained to emit, so its source names the markers. Checked in order:
 
 1. ``<|channel|>``: ``openai`` (gpt-oss and its harmony messages).
-2. Arguments written as XML elements, not JSON: ``<arg_key>`` (GLM 4.5+, GLM-4-MoE-lite, and
+2. ``<|tool_call>`` (Gemma 4's call token, which no other format writes): ``gemma4``.
+3. Arguments written as XML elements, not JSON: ``<arg_key>`` (GLM 4.5+, GLM-4-MoE-lite, and
    any other template that writes GLM's pairs): ``glm45``; ``<invoke name=`` with
    ``<minimax:tool_call>`` (MiniMax-M2): ``minimax_m2``; ``<parameter=`` with ``<tool_call>``
    or ``<function=`` (Qwen3-Coder, Qwen3.5, Qwen3-Next, Nemotron 3): ``qwen3_coder``. Other
    XML forms (Seed-OSS's ``<seed:tool_call>``) have no parser here: None.
-3. ``[TOOL_CALLS]``: ``mistral``.
-4. ``<tool_call>``: ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3).
-5. ``<function=``: ``llama3_function`` (Functionary v3.1, custom Llama 3.1 prompts).
-6. ``<|python_tag|>``, or ``"parameters"`` in a Llama 3 header template: ``llama3_json``.
-7. Any other template that uses the ``tools`` variable: ``json``, the generic reader, since such
+4. ``[TOOL_CALLS]``: ``mistral``.
+5. ``<tool_call>``: ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3).
+6. ``<function=``: ``llama3_function`` (Functionary v3.1, custom Llama 3.1 prompts).
+7. ``<|python_tag|>``, or ``"parameters"`` in a Llama 3 header template: ``llama3_json``.
+8. Any other template that uses the ``tools`` variable: ``json``, the generic reader, since such
    a template tells the model about tools without showing a syntax this package knows.
-8. Otherwise the template has no tool support: None.
+9. Otherwise the template has no tool support: None.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
         return None
     if "<|channel|>" in chat_template:
         return "openai"
+    if "<|tool_call>" in chat_template:
+        return "gemma4"
     if any(marker in chat_template for marker in _XML_ARGUMENTS):
         return _xml_format(chat_template)
     if "[TOOL_CALLS]" in chat_template:
