@@ -214,11 +214,11 @@ def gpt_oss_metadata(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
 
 def gemma4_full_layers(hp: dict[str, Any]) -> tuple[int, int]:
     """(head_dim, KV heads) of Gemma 4's full layers: transformers keeps them in
-    ``per_layer_config`` (keyed by layer, int or str), released configs as ``global_head_dim``
-    and ``num_global_key_value_heads``."""
+    ``per_layer_config`` (keyed by layer: an int, or a string zero-padded to one width as
+    saved), released configs as ``global_head_dim`` and ``num_global_key_value_heads``."""
     full = hp["layer_types"].index("full_attention")
-    overrides = hp.get("per_layer_config") or {}
-    layer = overrides.get(full) or overrides.get(str(full)) or {}
+    overrides = {int(k): v for k, v in (hp.get("per_layer_config") or {}).items()}
+    layer = overrides.get(full) or {}
     global_kv = hp.get("num_global_key_value_heads") if hp.get("attention_k_eq_v") else None
     return (
         layer.get("head_dim", hp.get("global_head_dim", hp["head_dim"])),
