@@ -374,8 +374,7 @@ class Decoder(nnx.Module):
         per_layer = None if self.per_layer is None else self.per_layer(tokens, x)
         shared = None  # the K/V of the layers that others reuse (``causal_self_attention``)
         if cfg.kv_sources:
-            rows = sum(r >= 0 for r in set(shared_rows(cfg)))
-            shape = (rows, *tokens.shape, cfg.num_kv_heads, cfg.head_dim)
+            shape = (max(shared_rows(cfg)) + 1, *tokens.shape, cfg.num_kv_heads, cfg.head_dim)
             shared = (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
 
         def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:
