@@ -71,6 +71,18 @@ CPU_MULTI_STEP_SEQS = 4
 CPU_ATTENTION_FLOP_COST = 4.0
 
 
+def _log_per_layer_table(model_config: Any, dtype: jnp.dtype) -> None:
+    """Gemma 4 E2B/E4B hold a per-layer embedding table as large as the rest of the model; the
+    log says what it takes (it is held in the run dtype: ``models.layers.embed``)."""
+    width = getattr(model_config, "per_layer_input_size", 0)
+    if width:
+        rows, columns = model_config.per_layer_vocab_size, model_config.num_layers * width
+        logger.info(
+            "per-layer embedding table: %d x %d in %s, %.2f GB",
+            rows, columns, jnp.dtype(dtype).name, rows * columns * jnp.dtype(dtype).itemsize / 1e9,
+        )  # fmt: skip
+
+
 def resolve_dtype(name: str) -> jnp.dtype:
     if name == "auto":
         # XLA:CPU has no fast bf16 matmul path; accelerators prefer bf16.
@@ -160,6 +172,7 @@ def load_model(config: EngineConfig, packed: bool = True) -> LoadedModel:
     if vision_tensors is not None:
         tensors = vision_tensors.text_tensors(tensors)
     weights = spec.load(model_config, tensors, dtype, checkpoint.num_tensors)
+    _log_per_layer_table(model_config, dtype)
     vision = None
     if vision_tensors is not None:
         folder = files.path if files.kind != "gguf" else None
