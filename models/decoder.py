@@ -120,12 +120,15 @@ class DecoderConfig:
     # (``pallas_kernels.native``: custom calls, which XLA's partitioner does not split) may
     # replace XLA formulations where one is built; set by ``runtime.loading.builder``.
     native_kernels: bool = False
-    # Layers walked by an unrolled loop instead of ``lax.scan``: ``None`` unrolls on GPU.
-    # There a scanned step copies each layer's slice of every stacked weight before its
-    # matmul (XLA materializes the dynamic slice), reading the weights twice; unrolled, the
-    # slices are static and the matmuls read the stack in place (BENCHMARKS.md, "Accelerator
-    # check"). On CPU the scan stays (measured: unrolled was slower there), and on TPU too
-    # until a TPU measures it (a scan keeps one compiled layer body, quick to compile).
+    # Layers walked by an unrolled loop instead of ``lax.scan`` (``--layer-loop``); ``None``
+    # (auto) is the scan on every backend. On GPU a scanned step copies each layer's slice of
+    # every stacked weight before its matmul (XLA materializes the dynamic slice), reading the
+    # weights twice; unrolled, the slices are static and at 64 sequences the matmuls read the
+    # stack in place. But an unrolled step compiles as many layer bodies as the model has: an
+    # engine on an H200 did not finish compiling the first of its five step shapes of a
+    # 30-layer model in 190 s, where the scanned engine had started in under a minute; on
+    # XLA:CPU the same engine compiled in 4x the scan's time (BENCHMARKS.md, "Accelerator
+    # check: third run"). On CPU the scan is also the faster step.
     unroll_layers: bool | None = None
 
     def __post_init__(self) -> None:

@@ -36,6 +36,8 @@ CPU_PREFILL_ONLY_TOKENS = 256
 CPU_KVCACHE_MB = 1024
 # --attention-backend and --matmul-backend (pallas_kernels.selection.BACKENDS).
 KERNEL_BACKENDS = ("auto", "pallas", "reference")
+# --layer-loop: how a step walks the layers (models.decoder.DecoderConfig.unroll_layers).
+LAYER_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
@@ -78,6 +80,10 @@ class EngineConfig:
     implementations: "auto" (on GPU and TPU the Pallas kernel where a startup check on the device
     matches the reference, on CPU native kernels where measured faster), "pallas" or
     "reference" (``pallas_kernels.selection``).
+    layer_loop says how a step walks the layers: "scan" (``lax.scan``: one compiled layer body),
+    "unrolled" (each layer compiled on its own: on GPU the matmuls read the stacked weights in
+    place, but the step compiles many times slower), or "auto" (the scan, on every backend
+    today: ``models.decoder.DecoderConfig.unroll_layers`` says why).
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.
@@ -109,6 +115,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     matmul_backend: str = "auto"
+    layer_loop: str = "auto"
     page_size: int = 16
     prefill_chunk_size: int = 8192
     max_num_batched_tokens: int = 0
@@ -173,6 +180,10 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be one of {', '.join(KERNEL_BACKENDS)}, got {value!r}"
                 )
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(
+                f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {self.layer_loop!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -222,6 +222,11 @@ def _engine(folder: Path, **fields: Any) -> Any:
     return engine
 
 
+def _engine_loop(args: argparse.Namespace) -> str:
+    """The engines' ``--layer-loop`` (``both`` is for the step part; engines take the scan)."""
+    return "auto" if args.layer_loop == "both" else args.layer_loop
+
+
 def _generate(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> list[dict]:
     """Greedy tokens (EOS ignored) per prompt, all submitted at once, with each one's times."""
     import asyncio
@@ -250,7 +255,9 @@ def part_greedy_tokens(args: argparse.Namespace) -> dict:
 
     if args.precision:
         jax.config.update("jax_default_matmul_precision", args.precision)
-    engine = _engine(args.folder, dtype="float32", matmul_dtype="model")
+    engine = _engine(
+        args.folder, dtype="float32", matmul_dtype="model", layer_loop=_engine_loop(args)
+    )
     try:
         return {
             "backend": jax.default_backend(),
@@ -303,7 +310,13 @@ def part_throughput_run(args: argparse.Namespace) -> dict:
     """Single-stream decode speed through the engine (a child process)."""
     out: dict[str, Any] = {}
     for steps in (0,) if args.quick else (0, 8):
-        engine = _engine(args.folder, dtype="bfloat16", max_num_seqs=1, decode_steps=steps)
+        engine = _engine(
+            args.folder,
+            dtype="bfloat16",
+            max_num_seqs=1,
+            decode_steps=steps,
+            layer_loop=_engine_loop(args),
+        )
         t0 = time.perf_counter()
         engine.compile_done.wait(args.part_timeout / 2)  # no compile beside the timed decode
         out[f"compile_wait_s(decode_steps={steps})"] = round(time.perf_counter() - t0, 1)
@@ -354,11 +367,12 @@ def part_step(args: argparse.Namespace) -> dict:
             out[label] = {"error": "skipped: the check's deadline"}
             continue
         stdout, error = _bench_step(args, folder, fmt, pallas, num_seqs, timeout)
-        rows: dict[int, dict] = {}
-        for num, _, best, median in re.findall(
+        rows: dict[int | str, dict] = {}
+        for num, what, best, median in re.findall(
             r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", stdout
         ):
             n = int(num)
+            key = f"{n}+unrolled" if "+unrolled" in what else n
             row = {"best_ms": float(best), "median_ms": float(median)}
             if fmt == "float":  # the bytes of a packed format's step are not counted here
                 read = weight_bytes + n * args.context * kv_per_position
@@ -366,7 +380,7 @@ def part_step(args: argparse.Namespace) -> dict:
                 row["bandwidth_GBps"] = round(read / (float(best) / 1e3) / 1e9, 1)
                 if args.peak:
                     row["mbu"] = round(read / (float(best) / 1e3) / args.peak, 3)
-            rows[n] = row
+            rows[key] = row
         out[label] = rows or {"error": error or stdout[-3000:]}
         out["traces"] += [
             {**json.loads(line[len("TRACE ") :]), "run": label}
@@ -408,6 +422,8 @@ def _bench_step(
         "5",
         "--native",
         "off",
+        "--unroll-layers",
+        {"auto": "auto", "scan": "off", "unrolled": "on", "both": "both"}[args.layer_loop],
         "--trace",
         str(args.work / "traces"),
         *(["--pallas"] if pallas else []),
@@ -566,6 +582,8 @@ def _child(
         args.num_seqs,
         "--context",
         str(args.context),
+        "--layer-loop",
+        args.layer_loop,
         *extra,
     ]
     command += ["--tiny"] * args.tiny + ["--quick"] * args.quick
@@ -645,7 +663,7 @@ def _markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|",
         ]
         for fmt, rows in step.items():
-            if isinstance(rows, dict) and all(isinstance(k, int) or str(k).isdigit() for k in rows):
+            if isinstance(rows, dict) and all(str(k).split("+")[0].isdigit() for k in rows):
                 for n, row in rows.items():
                     lines.append(
                         f"| {fmt} | {n} | {row['best_ms']} | {row['median_ms']} | "
@@ -676,6 +694,12 @@ def main() -> int:
     parser.add_argument("--num-seqs", default="1,64")
     parser.add_argument("--step-formats", default="float,q4_0")
     parser.add_argument("--part-timeout", type=int, default=240)
+    parser.add_argument(
+        "--layer-loop",
+        choices=("auto", "scan", "unrolled", "both"),
+        default="auto",
+        help="the engines' --layer-loop and the step part's (both: the step part times each)",
+    )
     parser.add_argument(
         "--deadline",
         type=float,

@@ -104,7 +104,7 @@ def _parse_args() -> argparse.Namespace:
         choices=("auto", "on", "off", "both"),
         default="auto",
         help="walk the layers unrolled (on), under lax.scan (off), or as the runtime does on "
-        "this backend (auto: unrolled off CPU); both times each format both ways",
+        "this backend (auto: the scan); both times each format both ways",
     )
     parser.add_argument(
         "--trace",

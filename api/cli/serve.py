@@ -54,6 +54,7 @@ from jax_llm_runtime.runtime.config import (
     ISQ_CHOICES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
+    LAYER_LOOPS,
     MATMUL_DTYPES,
     PRECOMPILE_CHOICES,
     EngineConfig,
@@ -322,6 +323,14 @@ def _add_batch_flags(group: argparse._ArgumentGroup) -> None:
             "check on the device matches the reference, on CPU the native kernel where measured "
             "faster; pallas or reference force one (default: %(default)s)",
         )
+    add(
+        "--layer-loop",
+        choices=tuple(LAYER_LOOPS),
+        default="auto",
+        help="how a step walks the layers: scan (one compiled layer body), unrolled (each layer "
+        "compiled on its own: on GPU no per-layer weight copies, but a many times slower "
+        "compile); auto = scan (default: %(default)s)",
+    )
     add(
         "--gpu-memory-utilization",
         type=_fraction,
@@ -743,6 +752,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         matmul_backend=args.matmul_backend,
+        layer_loop=args.layer_loop,
         page_size=args.page_size,
         prefill_chunk_size=args.prefill_chunk_size,
         max_num_batched_tokens=args.max_num_batched_tokens,

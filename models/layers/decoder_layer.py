@@ -228,7 +228,7 @@ class Segment(nnx.Module):
         XLA copies each layer's slice of a custom call's operand, so where native kernels may
         run (``cfg.native_kernels``) the packed ``[layers, in, out]`` projections stay whole and
         each layer sees them as ``PackedLayer``s (expert stacks have more axes and are sliced).
-        The loop is unrolled where ``cfg.unroll_layers`` says (by default on GPU).
+        The loop is unrolled where ``cfg.unroll_layers`` says (``--layer-loop unrolled``).
         """
         graphdef, whole, sliced = nnx.split(self.layers, _whole_stack(cfg.native_kernels), ...)
 
@@ -242,14 +242,12 @@ class Segment(nnx.Module):
             )
             return step(nnx.merge(graphdef, state, own), carry, meta), None
 
-        unroll = cfg.unroll_layers
-        if unroll is None:
-            unroll = jax.default_backend() == "gpu"
+        unroll = bool(cfg.unroll_layers)  # None (auto): the scan
         meta = layer_meta(cfg, self.start, self.end)
         if per_layer_inputs is not None:
             meta = meta.replace(per_layer_input=per_layer_inputs[self.start : self.end])
         xs = (sliced, meta)
-        carry, _ = jax.lax.scan(body, carry, xs, unroll=bool(unroll))
+        carry, _ = jax.lax.scan(body, carry, xs, unroll=unroll)
         return carry
 
 

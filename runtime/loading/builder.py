@@ -21,7 +21,7 @@ from jax_llm_runtime.pallas_kernels.native import calibration
 from jax_llm_runtime.pallas_kernels.paged_attention import FP8, KVCache, kv_cache_bytes
 from jax_llm_runtime.pallas_kernels.paged_attention.ops import ragged_implementation
 from jax_llm_runtime.pallas_kernels.selection import choose_kernels
-from jax_llm_runtime.runtime.config import EngineConfig
+from jax_llm_runtime.runtime.config import LAYER_LOOPS, EngineConfig
 from jax_llm_runtime.runtime.engine.buckets import BucketPlan
 from jax_llm_runtime.runtime.engine.core import Engine
 from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner
@@ -195,8 +195,12 @@ def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[Mo
     model_config = with_expert_offload(model_config, config)
     model_config = with_native_kernels(model_config, config.tensor_parallel_size)
     model_config = dataclasses.replace(
-        model_config, operand_dtype=operand_dtype(config.matmul_dtype, model_config)
+        model_config,
+        operand_dtype=operand_dtype(config.matmul_dtype, model_config),
+        unroll_layers=LAYER_LOOPS[config.layer_loop],
     )
+    if model_config.unroll_layers:
+        logger.info("layers walked unrolled (--layer-loop unrolled): each compiles on its own")
     return spec, model_config
 
 

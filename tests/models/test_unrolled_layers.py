@@ -1,4 +1,4 @@
-"""Layers walked by an unrolled loop (``DecoderConfig.unroll_layers``, the default on GPU):
+"""Layers walked by an unrolled loop (``DecoderConfig.unroll_layers``, ``--layer-loop unrolled``):
 the same logits as the scanned layers, and a step whose weights are read in place.
 
 On GPU a scanned step copied every layer's slice of each stacked weight before its matmul (a
@@ -14,6 +14,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from transformers import LlamaConfig
 
 from jax_llm_runtime.models.batch import StepBatch
@@ -57,3 +58,30 @@ def test_unrolled_layers_match_the_scan_and_read_weights_in_place(tmp_path):
     assert " while(" in hlo and re.search(weight_copy, hlo)  # what the scan compiles to
     hlo = _decode_hlo(unrolled)
     assert " while(" not in hlo and not re.search(weight_copy, hlo)
+
+
+@pytest.mark.parametrize(("argv", "unroll"), [([], None), (["--layer-loop", "unrolled"], True)])
+def test_layer_loop_flag_reaches_the_model_and_auto_scans(argv, unroll, tmp_path):
+    """``--layer-loop``: auto walks the layers under the scan on every backend (an unrolled
+    step compiled too slowly on a GPU to start an engine); unrolled is asked for by name."""
+    from jax_llm_runtime.api.cli.serve import _config_from_args, build_parser
+    from jax_llm_runtime.runtime.loading.builder import configure_model
+
+    config = _config_from_args(build_parser().parse_args(argv))
+    hf = LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]).to_dict()
+    _, model_config = configure_model(config, hf)
+    assert model_config.unroll_layers is unroll
+    hf_model = LlamaConfig(**{**TINY, "num_hidden_layers": 2}, architectures=["LlamaForCausalLM"])
+    save_random_model(hf_model, tmp_path)
+    model = load_ours(tmp_path)
+    hlo = _decode_hlo(_variant(model, model_config.unroll_layers))
+    assert (" while(" in hlo) is (unroll is None)
+
+
+def test_bad_layer_loop_is_one_line_exit_2():
+    from tests.api.test_cli import run_cli
+
+    result = run_cli("--layer-loop", "twice")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--layer-loop" in lines[0] and "'twice'" in lines[0], result.stderr
