@@ -59,8 +59,14 @@ def load(
     rules: Sequence[WeightRule],
 ) -> ModelWeights:
     """Checkpoint tensors (HF names, mapped by ``rules``) -> the split model ``forward`` takes."""
-    stacks = checkpoint_shapes(Decoder(cfg, dtype))
+    declared = Decoder(cfg, dtype)
+    stacks = checkpoint_shapes(declared)
     shapes, first_layer, variants = stacks
+    dtypes = {  # fields declared in another dtype than the run's (a per-layer table)
+        var.get_metadata("field"): var.get_value().dtype
+        for path, var in params(declared)
+        if path[0] != "segments" and var.get_value().dtype != jnp.dtype(dtype)
+    }
     fields = {_field(name): name for name in shapes}
     # int8 quantizes float weights on the device (``_device``): packed ones come dequantized.
     packing = Packing(
@@ -72,7 +78,7 @@ def load(
     head: dict[str, HostPacked] = {}
     tensors = _keep_packed_head(cfg, tensors, rules, head)
     host = load_host_weights(
-        shapes, rules, tensors, dtype, num_tensors, first_layer, packing, variants
+        shapes, rules, tensors, dtype, num_tensors, first_layer, packing, variants, dtypes
     )
     quantized = {_field(name) for name, value in host.items() if isinstance(value, HostPacked)}
     if cfg.quantization == "int8":

@@ -114,6 +114,10 @@ class DecoderConfig:
     layer_intermediate_sizes: tuple[int, ...] = ()
     per_layer_input_size: int = 0  # width of each layer's per-layer input (0: none)
     per_layer_vocab_size: int = 0  # rows of the per-layer embedding table
+    # The per-layer embedding table's dtype (None: the run dtype). Gemma 4 E2B's table is
+    # 262,144 x 8,960: 9.4 GB in float32, so a bfloat16 checkpoint served in float32 keeps it
+    # in bfloat16, exactly (``runtime.loading.builder.per_layer_table_dtype``).
+    per_layer_dtype: str | None = None
     quantization: str | None = None  # "int8": weight-only int8 for the projections (see linear)
     operand_dtype: str | None = None  # quantized projections' operands (see models.layers.linear)
     # The step runs on XLA:CPU and is not split over a device mesh, so native CPU kernels
@@ -309,8 +313,11 @@ class Decoder(nnx.Module):
         h = cfg.hidden_size
         self.embed = Embed(cfg.vocab_size, h, dtype, cfg.embed_scale)
         width = cfg.per_layer_input_size
+        table = jnp.dtype(cfg.per_layer_dtype or dtype)
         self.per_layer = (
-            PerLayerInputs(cfg.per_layer_vocab_size, h, cfg.num_layers, width, cfg.norm, dtype)
+            PerLayerInputs(
+                cfg.per_layer_vocab_size, h, cfg.num_layers, width, cfg.norm, dtype, table
+            )
             if width
             else None
         )

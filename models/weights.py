@@ -105,6 +105,7 @@ def load_host_weights(
     first_layer: Mapping[str, LayerSlots] | None = None,
     packing: Packing = Packing(),
     variants: Mapping[str, Mapping[int, str]] | None = None,
+    dtypes: Mapping[str, jnp.dtype] | None = None,
 ) -> dict[str, np.ndarray | HostPacked]:
     """Like ``load_weights`` but returns host (numpy) arrays, and ``HostPacked`` for the fields
     that ``packing`` keeps packed.
@@ -116,8 +117,12 @@ def load_host_weights(
     A field whose layers differ in shape (Gemma 4's wider MLPs in its last layers) is held in
     one stack per shape: ``variants[field][layer]`` names the stack (a key of ``shapes``) of
     each of its layers that is not in the stack named ``field``.
+
+    ``dtypes[name]`` is the dtype of a field held in another than ``dtype`` (Gemma 4's per-layer
+    embedding table in bfloat16 under a float32 run).
     """
-    host = {name: np.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    dtypes = dtypes or {}
+    host = {name: np.empty(shape, dtype=dtypes.get(name, dtype)) for name, shape in shapes.items()}
     packed: dict[str, dict[tuple[int, ...], HostPacked]] = {name: {} for name in packing.fields}
     filled: dict[str, set[tuple[int, ...]]] = {name: set() for name in shapes}
     depth: dict[str, int] = {}

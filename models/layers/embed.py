@@ -40,14 +40,23 @@ class PerLayerInputs(Block):
     mean (times sqrt 2) of a lookup in a ``[vocab, layers * width]`` table (``ple_embed``, rows
     scaled by sqrt(width)) and a projection of the token's embedding (``ple_proj``, scaled by
     hidden ** -0.5, each layer's part RMS-normed by ``ple_norm``). Each layer gates its output
-    with its input (``models.layers.decoder_layer``)."""
+    with its input (``models.layers.decoder_layer``). The table may be held in a narrower dtype
+    than the run's (``table_dtype``); its looked-up rows are widened."""
 
     def __init__(
-        self, vocab: int, hidden: int, layers: int, width: int, norm: NormConfig, dtype: jnp.dtype
+        self,
+        vocab: int,
+        hidden: int,
+        layers: int,
+        width: int,
+        norm: NormConfig,
+        dtype: jnp.dtype,
+        table_dtype: jnp.dtype | None = None,
     ) -> None:
         self.hidden, self.layers, self.width = hidden, layers, width
         features = layers * width
-        self.table = declare((vocab, features), dtype, (VOCAB, PER_LAYER), "ple_embed")
+        table_dtype = dtype if table_dtype is None else table_dtype
+        self.table = declare((vocab, features), table_dtype, (VOCAB, PER_LAYER), "ple_embed")
         self.proj = projection((), (hidden, features), (EMBED, PER_LAYER), dtype, "ple_proj")
         self.norm = Norm(norm, (width,), (NORM,), dtype, "ple_norm")
 
@@ -57,7 +66,7 @@ class PerLayerInputs(Block):
         x: jax.Array,  # [..., hidden], the tokens' (scaled) embeddings
     ) -> jax.Array:  # [layers, ..., width]: each layer's inputs, leading for the layer scan
         lead, dtype = tokens.shape, x.dtype
-        looked = self.table.get_value()[tokens] * jnp.asarray(self.width**0.5, dtype)
+        looked = self.table.get_value()[tokens].astype(dtype) * jnp.asarray(self.width**0.5, dtype)
         looked = looked.reshape(*lead, self.layers, self.width)
         projected = self.proj(x) * jnp.asarray(self.hidden**-0.5, dtype)
         projected = self.norm(projected.reshape(*lead, self.layers, self.width))

@@ -71,11 +71,26 @@ CPU_MULTI_STEP_SEQS = 4
 CPU_ATTENTION_FLOP_COST = 4.0
 
 
+def per_layer_table_dtype(model_config: Any, hf_config: dict[str, Any], dtype: jnp.dtype) -> Any:
+    """``model_config`` with the dtype its per-layer embedding table is held in: bfloat16 where
+    the checkpoint's dtype is bfloat16 and the run's float32 (the table's values, exactly, in
+    half the memory: 4.7 GB less for Gemma 4 E2B), else the run dtype."""
+    if not getattr(model_config, "per_layer_input_size", 0):
+        return model_config
+    text = hf_config.get("text_config") or {}
+    source = next(
+        (c.get(k) for c in (text, hf_config) for k in ("dtype", "torch_dtype") if c.get(k)), None
+    )
+    narrow = source == "bfloat16" and jnp.dtype(dtype) == jnp.float32
+    return dataclasses.replace(model_config, per_layer_dtype="bfloat16" if narrow else None)
+
+
 def _log_per_layer_table(model_config: Any, dtype: jnp.dtype) -> None:
     """Gemma 4 E2B/E4B hold a per-layer embedding table as large as the rest of the model; the
-    log says what it takes (it is held in the run dtype: ``models.layers.embed``)."""
+    log says what it takes (``models.layers.embed``)."""
     width = getattr(model_config, "per_layer_input_size", 0)
     if width:
+        dtype = jnp.dtype(model_config.per_layer_dtype or dtype)
         rows, columns = model_config.per_layer_vocab_size, model_config.num_layers * width
         logger.info(
             "per-layer embedding table: %d x %d in %s, %.2f GB",
@@ -199,6 +214,7 @@ def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[Mo
         operand_dtype=operand_dtype(config.matmul_dtype, model_config),
         unroll_layers=LAYER_LOOPS[config.layer_loop],
     )
+    model_config = per_layer_table_dtype(model_config, hf_config, resolve_dtype(config.dtype))
     if model_config.unroll_layers:
         logger.info("layers walked unrolled (--layer-loop unrolled): each compiles on its own")
     return spec, model_config

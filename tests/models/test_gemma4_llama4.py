@@ -146,6 +146,42 @@ def test_gemma4_per_layer_embeddings_and_kv_sharing(tmp_path):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_gemma4_bfloat16_checkpoint_keeps_its_per_layer_table_in_bfloat16(tmp_path):
+    """Served in float32, a bfloat16 checkpoint's per-layer embedding table (E2B's: 9.4 GB in
+    float32) stays in bfloat16, holding the same values: the logits and greedy tokens still
+    match HF's float32 run of the same checkpoint. A float32 checkpoint's table is float32."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jax_llm_runtime.runtime.config import EngineConfig
+    from jax_llm_runtime.runtime.loading.builder import configure_model
+    from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
+    from tests.models.harness import Loaded
+
+    hf = _gemma4_config(
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=1
+    )
+    _randomised(hf, tmp_path / "f32").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tables = {}
+    for name in ("f32", "bf16"):
+        checkpoint = load_hf_checkpoint(tmp_path / name)
+        engine = EngineConfig(model_id=str(tmp_path / name), dtype="float32")
+        spec, cfg = configure_model(engine, checkpoint.config)
+        weights = spec.load(cfg, checkpoint.tensors(packed=True), np.float32)
+        tables[name] = weights["ple_embed"]
+        assert weights["embed"].dtype == jnp.float32
+    assert tables["f32"].dtype == jnp.float32 and tables["bf16"].dtype == jnp.bfloat16
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    reference = hf_model.model.embed_tokens_per_layer.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(tables["bf16"], np.float32), reference)
+    model = Loaded(spec, cfg, weights)
+    ids = prompts(256)
+    check_last_logits(model, hf_model, ids)
+    assert greedy_paged(model, ids) == [greedy_hf(hf_model, p) for p in ids]
+
+
 def test_gemma4_saved_config_of_ten_layers_or_more():
     """transformers saves ``per_layer_config`` with zero-padded layer keys ("04" of 12 layers),
     as every released Gemma 4 has ten layers or more."""
