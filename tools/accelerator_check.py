@@ -599,8 +599,8 @@ def _child(
             env=_env(platform),
         )
     except subprocess.TimeoutExpired as exc:
-        tail = ((exc.stdout or b"") + (exc.stderr or b""))[-3000:]
-        return {"error": f"timed out after {timeout:.0f} s", "tail": str(tail)}
+        tail = "".join(_text(x) for x in (exc.stdout, exc.stderr)).replace("\r", "\n")
+        return {"error": f"timed out after {timeout:.0f} s", "tail": tail[-6000:]}
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
         return {
@@ -610,6 +610,13 @@ def _child(
     out = json.loads(lines[-1][len("RESULT ") :])
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def _text(output: str | bytes | None) -> str:
+    """A killed child's captured output (bytes, whatever ``text=True`` asked) as text."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def _attention_lines(attn: dict) -> list[str]:
