@@ -281,3 +281,26 @@ def test_gemma3_270m_q4k_restores_to_the_same_tokens(tmp_path: Path) -> None:
             engine.shutdown()
 
     assert greedy(path, None) == greedy(gguf, "q4k")
+
+
+def test_gemma4_bfloat16_per_layer_table_round_trips(tmp_path: Path) -> None:
+    """A bfloat16 Gemma 4 E2B-shaped checkpoint prepared for a float32 run keeps its per-layer
+    embedding table in bfloat16 (``per_layer_dtype``), and restores the same arrays and tokens."""
+    import torch
+
+    from tests.models.test_gemma4_llama4 import _gemma4_config, _randomised
+
+    source = tmp_path / "gemma4"
+    hf = _gemma4_config(
+        vocab_size=VOCAB_SIZE, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=1, bos_token_id=256,
+    )  # fmt: skip
+    _randomised(hf, tmp_path / "f32").to(torch.bfloat16).save_pretrained(source)
+    save_byte_tokenizer(source)
+    path = save_prepared(EngineConfig(model_id=str(source), **SMALL), tmp_path / "prepared")
+    loaded = load_model(EngineConfig(model_id=str(source), **SMALL))
+    restored = load_model(EngineConfig(model_id=str(path), **SMALL))
+    assert loaded.config.per_layer_dtype == "bfloat16" == restored.config.per_layer_dtype
+    assert restored.weights["ple_embed"].dtype == jax.numpy.bfloat16
+    _same_arrays(loaded.weights, restored.weights)
+    assert _tokens(path) == _tokens(source)
