@@ -51,11 +51,10 @@ class PerLayerInputs(Block):
         width: int,
         norm: NormConfig,
         dtype: jnp.dtype,
-        table_dtype: jnp.dtype | None = None,
+        table_dtype: jnp.dtype,
     ) -> None:
         self.hidden, self.layers, self.width = hidden, layers, width
         features = layers * width
-        table_dtype = dtype if table_dtype is None else table_dtype
         self.table = declare((vocab, features), table_dtype, (VOCAB, PER_LAYER), "ple_embed")
         self.proj = projection((), (hidden, features), (EMBED, PER_LAYER), dtype, "ple_proj")
         self.norm = Norm(norm, (width,), (NORM,), dtype, "ple_norm")
