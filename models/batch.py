@@ -20,6 +20,12 @@ none), ``horizons`` give each row the last position it may attend to: its own po
 see each other both ways. The scheduler keeps such an image's tokens in one chunk, so those
 keys are written in the step that reads them.
 
+A multimodal-RoPE model (Qwen3-VL: ``RopeConfig.mrope_section``) gets ``rope_positions`` in
+every step: each row's (temporal, height, width) rotary positions, which differ from
+``positions`` (still the KV slot and what causality counts) inside an image and after one. A
+model whose image encoder also feeds early layers (Qwen3-VL's deepstack) gets wider ``embeds``:
+the soft token, then one vector per such layer, added to the row's hidden state after it.
+
 ``state_slots`` names each sequence's state slot in a model with linear-attention layers
 (``models.layers.linear_attention``); None means sequence ``s`` uses slot ``s``. In a mixed
 step of such a model, ``single_chunk`` (static) says that at most one sequence has more than
@@ -50,6 +56,7 @@ class StepBatch:
     embed_rows: jax.Array | None = None  # [num_tokens] bool, rows that take ``embeds``
     horizons: jax.Array | None = None  # [num_tokens] int32, last visible key position per row
     state_slots: jax.Array | None = None  # [num_seqs] int32, each sequence's state slot
+    rope_positions: jax.Array | None = None  # [num_tokens, 3] int32, multimodal RoPE's (t, h, w)
     single_chunk: bool = struct.field(pytree_node=False, default=False)
 
     @property

@@ -354,14 +354,24 @@ class Decoder(nnx.Module):
         logits at each sequence's last new token."""
         cfg = self.cfg
         x = self.embed(batch.tokens)  # [num_tokens, hidden]
+        deep = None  # [num_tokens, levels, hidden]: added after each of the first layers
         if batch.embeds is not None:  # image soft tokens replace their placeholders' embeddings
-            x = jnp.where(batch.embed_rows[:, None], batch.embeds.astype(x.dtype), x)
+            h = cfg.hidden_size
+            rows = batch.embed_rows[:, None]
+            x = jnp.where(rows, batch.embeds[:, :h].astype(x.dtype), x)
+            if batch.embeds.shape[1] > h:
+                deep = batch.embeds[:, h:].reshape(x.shape[0], -1, h)
         valid = batch.valid  # [num_tokens]
         per_layer = None if self.per_layer is None else self.per_layer(batch.tokens, x)
 
         def step(layer: DecoderLayer, carry: tuple, meta: LayerMeta) -> tuple:
             x, cache = carry
-            return layer.paged(x, cache, meta, batch, valid, cfg.native_kernels)
+            x, cache = layer.paged(x, cache, meta, batch, valid, cfg.native_kernels)
+            if deep is not None:  # deepstack: layer i's output gains level i on image rows
+                levels = deep.shape[1]
+                level = deep[:, jnp.minimum(meta.index, levels - 1)].astype(x.dtype)
+                x = jnp.where(rows & (meta.index < levels), x + level, x)
+            return x, cache
 
         for segment in self.segments:
             if segment.start == cfg.first_reusing_layer and not batch.decode_rows:

@@ -83,6 +83,16 @@ class Mistral3VisionConfig:
         return self.tower.patch_size
 
     @property
+    def patch_features(self) -> int:
+        """Values per packed patch (``PackedImages.patches``)."""
+        return self.tower.patch_features
+
+    @property
+    def position_width(self) -> int:
+        """Values per patch position (``PackedImages.positions``): row and column."""
+        return 2
+
+    @property
     def patch_multiple(self) -> int:
         """Patches per merged token: every packed run is a multiple of it."""
         return self.spatial_merge_size**2

@@ -181,17 +181,19 @@ def project_qkv(
     positions: jax.Array,  # [...] int32
     meta: LayerMeta,
     q: jax.Array | None = None,  # [..., num_heads * head_dim], the query projection when known
+    rope_positions: jax.Array | None = None,  # [..., 3] int32, multimodal RoPE's (t, h, w)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., num_heads, head_dim] and k, v [..., num_kv_heads, head_dim], with q and k normed
-    (when configured), rotated, and q position-scaled (when configured); k and v are None for a
-    layer that reuses another's K/V."""
+    (when configured), rotated (by ``rope_positions`` when given, else ``positions``), and q
+    position-scaled (when configured); k and v are None for a layer that reuses another's K/V."""
     cfg, lead = layer.cfg, x.shape[:-1]
+    turns = positions if rope_positions is None else rope_positions
     q = layer.wq(x) if q is None else q  # [..., num_heads * head_dim]
     if layer.wk is None:  # a layer that reuses another's K/V: its queries alone, as usual
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q = layer.q_norm(q, head_width(cfg, meta))
-        q = _rotated(cfg, q, positions, meta)
+        q = _rotated(cfg, q, turns, meta)
         if cfg.qk_l2_norm is not None:
             q = _l2_normed(cfg.qk_l2_norm, q, meta)
         return _position_scaled(cfg, q, positions, meta), None, None
@@ -207,7 +209,7 @@ def project_qkv(
         q, k = layer.q_norm(q, width), layer.k_norm(k, width)
     if cfg.v_norm is not None:
         v = apply_norm(cfg.v_norm, v, jnp.ones((), jnp.float32), dim=width)
-    q, k = _rotated(cfg, q, positions, meta), _rotated(cfg, k, positions, meta)
+    q, k = _rotated(cfg, q, turns, meta), _rotated(cfg, k, turns, meta)
     if cfg.qk_l2_norm is not None:
         q, k = _l2_normed(cfg.qk_l2_norm, q, meta), _l2_normed(cfg.qk_l2_norm, k, meta)
     return _position_scaled(cfg, q, positions, meta), k, v
@@ -251,7 +253,7 @@ def _l2_normed(
 def _rotated(
     cfg: AttentionConfig,
     x: jax.Array,  # [..., heads, head_dim]: q or k
-    positions: jax.Array,  # [...] int32
+    positions: jax.Array,  # [...] int32, or [..., 3] under multimodal RoPE
     meta: LayerMeta,
 ) -> jax.Array:  # like x: with this layer's rope (none on a layer without)
     rotated = apply_rope(x, positions, cfg.rope)
@@ -288,7 +290,7 @@ def paged_self_attention(
     """
     cfg = layer.cfg
     q, gate = output_gate(layer, x)
-    q, k, v = project_qkv(layer, x, batch.positions, meta, q)
+    q, k, v = project_qkv(layer, x, batch.positions, meta, q, batch.rope_positions)
     if k is not None:  # a layer that reuses another's K/V reads its slot (written before)
         cache = write_step_kv(cache, meta.index, k, v, batch)
     out = step_attention(

@@ -3,6 +3,11 @@
 The frequency tables for the scaled variants live in ``rope_scaling``; this module decides which
 table a token uses and rotates either the two halves of the rotary features (HF "rotate_half",
 the default) or adjacent pairs (``interleaved``, as GLM-4 does).
+
+Multimodal RoPE (``mrope_section``, Qwen2-VL to Qwen3-VL) gives each token three positions,
+(temporal, height, width): an image's tokens share the temporal one and count their patch's row
+and column from it, text tokens have three equal ones. Each rotary frequency turns with one of
+the three, as ``mrope_axes`` assigns them; a text token's rotation is then the plain one.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class RopeConfig:
     freq_factors: tuple[float, ...] | None = None
     interleaved: bool = False
     rotated_fraction: float = 1.0
+    mrope_section: tuple[int, ...] | None = None  # frequencies per (t, h, w) axis
+    mrope_interleaved: bool = False  # Qwen3-VL's t, h, w, t, h, w, ... (else Qwen2-VL's runs)
 
     def __post_init__(self) -> None:
         for name in _FACTOR_LISTS:
@@ -89,6 +96,13 @@ class RopeConfig:
             raise ValueError(f"rotated_fraction applies to proportional rope, not {self.rope_type}")
         self._check_scaling_params()
         self._check_factor_lists()
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(v) for v in self.mrope_section))
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
+                raise ValueError(
+                    f"mrope_section {list(self.mrope_section)} must be three counts summing to "
+                    f"rotary_dim // 2 = {self.rotary_dim // 2}"
+                )
 
     def _check_scaling_params(self) -> None:
         if self.rope_type in _NEEDS_ORIGINAL_MAX and not self.original_max_position_embeddings:
@@ -165,6 +179,20 @@ class RopeConfig:
         if self.freq_factors is not None:
             return rope_scaling.divided_inv_freq(base, self.freq_factors)
         return base.astype(np.float32)
+
+    def mrope_axes(self) -> np.ndarray:  # [rotary_dim // 2] int32: 0 (t), 1 (h) or 2 (w)
+        """The position axis each frequency turns with. Interleaved (Qwen3-VL): frequency ``j``
+        takes h when ``j % 3 == 1`` and ``j < 3 * section[1]``, w when ``j % 3 == 2`` and ``j <
+        3 * section[2]``, else t; otherwise the first ``section[0]`` take t, the next h, the
+        rest w."""
+        t, h, w = self.mrope_section
+        j = np.arange(self.rotary_dim // 2)
+        if self.mrope_interleaved:
+            axes = np.zeros_like(j)
+            axes[(j % 3 == 1) & (j < 3 * h)] = 1
+            axes[(j % 3 == 2) & (j < 3 * w)] = 2
+            return axes.astype(np.int32)
+        return np.repeat(np.arange(3), (t, h, w)).astype(np.int32)
 
     @property
     def attention_scale(self) -> float:
@@ -276,9 +304,13 @@ def _yarn_from_hf(hf: dict[str, Any], params: dict[str, Any], common: dict[str, 
 
 
 def _rotation_angles(
-    positions: jax.Array,  # [..., seq] int32
+    positions: jax.Array,  # [..., seq] int32, or [..., seq, 3] (t, h, w) under mrope
     rope: RopeConfig,
+    mrope: bool = False,
 ) -> jax.Array:  # [..., seq, rotary_dim // 2] float32
+    if mrope:  # each frequency's own axis of the token's three positions
+        pos = jnp.take(positions, jnp.asarray(rope.mrope_axes()), axis=-1).astype(jnp.float32)
+        return pos * jnp.asarray(rope.inv_freq())
     pos = positions.astype(jnp.float32)[..., None]
     angles = pos * jnp.asarray(rope.inv_freq())
     if rope.rope_type == "longrope":
@@ -290,12 +322,15 @@ def _rotation_angles(
 
 def apply_rope(
     x: jax.Array,  # [..., seq, num_heads, head_dim]
-    positions: jax.Array,  # [..., seq] int32
+    positions: jax.Array,  # [..., seq] int32, or [..., seq, 3] under mrope
     rope: RopeConfig,
 ) -> jax.Array:  # [..., seq, num_heads, head_dim], x.dtype
     """Rotate the first ``rotary_dim`` features of every head by its token's position; the rest
-    pass through. Rotation and the ``attention_scale`` gain are computed in float32."""
-    angles = _rotation_angles(positions, rope)[..., None, :]  # [..., seq, 1, rotary_dim // 2]
+    pass through. Rotation and the ``attention_scale`` gain are computed in float32. A config
+    with ``mrope_section`` takes three positions per token (plain positions are three equal
+    ones)."""
+    mrope = rope.mrope_section is not None and positions.ndim == x.ndim - 1
+    angles = _rotation_angles(positions, rope, mrope)[..., None, :]  # [..., seq, 1, rot // 2]
     scale = rope.attention_scale
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scale != 1.0:

@@ -30,7 +30,9 @@ class PackedImages:
     ``i`` after those of the images before it (padding's after all of them)."""
 
     patches: np.ndarray  # [num_patches, channels * patch_size**2] float32
-    positions: np.ndarray  # [num_patches, 2] int32, each patch's (row, column) in its image
+    # [num_patches, config.position_width] int32: each patch's (row, column) in its image, then
+    # what else the encoder reads per patch (Qwen3-VL: its image's rows and columns)
+    positions: np.ndarray
     segments: np.ndarray  # [num_patches] int32, each patch's image in the call; -1: padding
     tokens: tuple[int, ...]  # soft tokens per image
 
@@ -48,8 +50,10 @@ class VisionSpec:
     An encoder of images of any size has ``pack(config, pixels, num_patches)`` ->
     ``PackedImages`` (``pixels``: each image's ``[3, height, width]``; its config's
     ``num_patches(height, width)`` counts an image's patches, ``patch_multiple`` divides every
-    padded count), and its ``encode(config, weights, patches, positions, segments)`` returns
-    ``[num_patches / merged, text_hidden]``. ``bidirectional``: the decoder lets the tokens of
+    padded count; ``patch_features`` and ``position_width`` give the packed arrays' widths),
+    and its ``encode(config, weights, patches, positions, segments)`` returns ``[num_patches /
+    merged, text_hidden]``, or ``[..., config.out_width]`` when the config has one (deepstack
+    levels after each soft token: ``models.batch``). ``bidirectional``: the decoder lets the tokens of
     one image attend to each other both ways (Gemma 3), rather than causally (Mistral 3)."""
 
     config_from_hf: Callable[[dict[str, Any]], Any]

@@ -4,7 +4,7 @@ One jitted function (``VisionSpec.encode``: pixels to soft tokens) compiled ahea
 the steps, for a few fixed shapes: an encoder of one image size (Gemma 3) for batch sizes 1, 2,
 4, ... up to the most images a prompt may hold; an encoder of images of any size (Mistral 3's
 Pixtral) for packed runs of 1, 2, 4, ... times a base count of patches, up to the patches of
-the largest image the processor makes, the images of a prompt packed into as few runs as fit
+the largest image the processor makes (Qwen3-VL's likewise), the images of a prompt packed into as few runs as fit
 (``VisionSpec.pack``; padding patches are masked). So no image compiles anything new. The
 model runner calls it on the loop thread, before the step whose prompt chunk first reaches a
 sequence's images, and keeps the soft tokens with the sequence
@@ -46,9 +46,11 @@ class ImageEncoder:
         self.processor = processor
         if spec.pack is None:
             self.sizes = geometric(1, max(1, processor.max_images), 2)
-        else:
-            side = processor.pixels.max_side  # a PixtralPreprocessing
-            top = config.num_patches(side, side)
+        else:  # the most patches of any image the processor makes
+            top = getattr(processor.pixels, "max_patches", None)  # Qwen-VL's: a pixel budget
+            if top is None:
+                side = processor.pixels.max_side  # Pixtral's: a longest side
+                top = config.num_patches(side, side)
             self.sizes = geometric(min(MIN_PACKED_TOKENS * config.patch_multiple, top), top, 2)
         self._encode = jax.jit(functools.partial(spec.encode, config))
         self.compiled = CompiledShapes("image encoder", self._lower)
@@ -73,11 +75,10 @@ class ImageEncoder:
             side = self.config.image_size
             pixels = jax.ShapeDtypeStruct((size, 3, side, side), np.float32)
             return self._encode.lower(self.weights, pixels)
-        features = self.config.tower.patch_features
         return self._encode.lower(
             self.weights,
-            jax.ShapeDtypeStruct((size, features), np.float32),
-            jax.ShapeDtypeStruct((size, 2), np.int32),
+            jax.ShapeDtypeStruct((size, self.config.patch_features), np.float32),
+            jax.ShapeDtypeStruct((size, self.config.position_width), np.int32),
             jax.ShapeDtypeStruct((size,), np.int32),
         )
 

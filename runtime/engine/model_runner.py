@@ -83,6 +83,11 @@ class ModelRunner:
         self.plan = plan
         self.decode_steps = decode_steps
         self.images = images  # a vision-language model's image encoder
+        # The width of a step's image rows: the soft token, then any deepstack levels (models.batch).
+        self.embed_width = getattr(getattr(images, "config", None), "out_width", config.hidden_size)
+        # Multimodal rope (Qwen3-VL): every step carries each row's three rotary positions.
+        rope = getattr(getattr(config, "attention", None), "rope", None)
+        self.mrope = getattr(rope, "mrope_section", None) is not None
         self.multi_step_seqs = (
             multi_step_seqs  # multi-step buckets only up to this many (None: all)
         )
@@ -151,8 +156,10 @@ class ModelRunner:
         prefills image tokens."""
         single = self._single_chunk(key[1], key[0])
         batch, meta = _empty_inputs(*key[:3], self.vocab_size, single)
+        if self.mrope:
+            batch = batch.replace(rope_positions=np.zeros((key[0], 3), np.int32))
         if key[-1] == IMAGES:
-            batch = _with_images(batch, self.config.hidden_size, self.images.bidirectional)
+            batch = _with_images(batch, self.embed_width, self.images.bidirectional)
         batch, meta = host_inputs((batch, meta), self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
@@ -269,6 +276,8 @@ class ModelRunner:
             tokens, positions, seq_ids, valid, q_starts, kv_lens, page_indices, last_rows, decode,
             state_slots=state_slots, single_chunk=single,
         )  # fmt: skip
+        if self.mrope:
+            step_batch = step_batch.replace(rope_positions=_rope_positions(items, num_tokens))
         if self.images is not None and any(_reaches_images(item) for item in items):
             step_batch = self._image_rows(step_batch, items)
         meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
@@ -286,7 +295,7 @@ class ModelRunner:
         reaches them) and, when an image's tokens attend both ways, see to the end of their
         image."""
         both_ways = self.images.bidirectional
-        batch = _with_images(step_batch, self.config.hidden_size, both_ways)
+        batch = _with_images(step_batch, self.embed_width, both_ways)
         embeds, rows, horizons = batch.embeds, batch.embed_rows, batch.horizons
         row = 0
         for item in items:
@@ -404,6 +413,7 @@ def _multi_step(
         batch = batch.replace(
             tokens=tokens,
             positions=batch.positions + 1,
+            rope_positions=None if batch.rope_positions is None else batch.rope_positions + 1,
             kv_lens=jnp.where(active, batch.kv_lens + 1, 0),
         )
         meta = meta.replace(output_index=meta.output_index + 1)
@@ -471,18 +481,34 @@ def _key(batch: StepBatch, steps: int) -> tuple[Any, ...]:
     return (*_shape(batch), steps) + (() if batch.embeds is None else (IMAGES,))
 
 
+def _rope_positions(items: tuple[ScheduledSeq, ...], num_tokens: int) -> np.ndarray:
+    """Each row's (temporal, height, width) rotary positions in a multimodal-rope model: its
+    position three times, or inside and after a prompt's images what ``SequenceImages``
+    gives (padding rows: zeros)."""
+    out = np.zeros((num_tokens, 3), np.int32)
+    row = 0
+    for item in items:
+        start, end, images = item.start, item.start + item.length, item.seq.images
+        if images is None or images.grids is None:
+            out[row : row + item.length] = np.arange(start, end)[:, None]
+        else:
+            out[row : row + item.length] = images.rope_positions(start, end)
+        row += item.length
+    return out
+
+
 def _reaches_images(item: ScheduledSeq) -> bool:
     images = item.seq.images
     return images is not None and bool(images.overlapping(item.start, item.start + item.length))
 
 
-def _with_images(batch: StepBatch, hidden: int, both_ways: bool) -> StepBatch:
+def _with_images(batch: StepBatch, width: int, both_ways: bool) -> StepBatch:
     """``batch`` with image inputs that change nothing: no row takes an embedding, and, for
     images whose tokens attend both ways, every row sees up to its own position (host arrays,
     filled in by ``_image_rows``; causal images need no horizons, so the kernels still run)."""
     num_tokens = batch.tokens.shape[0]
     return batch.replace(
-        embeds=np.zeros((num_tokens, hidden), np.float32),
+        embeds=np.zeros((num_tokens, width), np.float32),
         embed_rows=np.zeros(num_tokens, bool),
         horizons=np.array(batch.positions, np.int32) if both_ways else None,
     )

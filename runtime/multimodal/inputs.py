@@ -89,6 +89,9 @@ class SequenceImages:
     embeds: Sequence[np.ndarray] | None = field(default=None, repr=False)  # [tokens, hidden] each
     soft_index: tuple[np.ndarray, ...] | None = field(default=None, repr=False)  # [span] int32
     bidirectional: bool = True
+    # M-RoPE models (Qwen3-VL): each image's merged patch grid, (rows, columns); its span's
+    # tokens are those patches row by row (``rope_positions``).
+    grids: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.images) != len(self.spans):
@@ -123,6 +126,31 @@ class SequenceImages:
             if a < stop < b:
                 return a if a > start else b
         return stop
+
+    def rope_positions(self, start: int, stop: int) -> np.ndarray:  # [stop - start, 3] int32
+        """Multimodal rope's (temporal, height, width) positions of ``[start, stop)`` (``grids``
+        set; past the prompt too): an image's tokens share its first token's temporal position
+        and count their patch's row and column from it; a text token's three are equal, and
+        each image before it moves them by ``max(rows, columns) - rows * columns`` (the image
+        takes ``max(rows, columns)`` positions, not one per token), as transformers'
+        ``get_rope_index`` of Qwen3-VL."""
+        assert self.grids is not None
+        pos = np.arange(start, stop)
+        out = np.repeat(pos[:, None], 3, axis=1)
+        shift = 0
+        for (a, b), (rows, cols) in zip(self.spans, self.grids, strict=True):
+            if b - a != rows * cols:
+                raise ValueError(f"an image of {rows}x{cols} tokens spans {b - a} positions")
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                k, first = np.arange(lo, hi) - a, a + shift
+                out[lo - start : hi - start] = np.stack(
+                    [np.full(hi - lo, first), first + k // cols, first + k % cols], axis=1
+                )
+            delta = max(rows, cols) - rows * cols
+            out[pos >= b] += delta
+            shift += delta
+        return out.astype(np.int32)
 
     def digests(self, start: int, stop: int) -> list[bytes]:
         """The digests of the images whose tokens intersect ``[start, stop)``."""
