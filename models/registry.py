@@ -27,6 +27,7 @@ from jax_llm_runtime.models.families import (
     qwen2,
     qwen3,
     qwen3_next,
+    qwen3_vl_vision,
     stablelm,
 )
 from jax_llm_runtime.models.vision.encoder import VisionSpec
@@ -104,6 +105,13 @@ _SPECS = {
         ),
         _decoder("Qwen2ForCausalLM", qwen2.config_from_hf, llama.WEIGHT_RULES),
         _decoder("Qwen3ForCausalLM", qwen3.config_from_hf, llama.WEIGHT_RULES),
+        _decoder(
+            "Qwen3VLForConditionalGeneration",
+            qwen3.qwen3_vl_config_from_hf,
+            qwen3.QWEN3_VL_WEIGHT_RULES,
+            qwen3_vl_vision.load_text,
+            vision=qwen3_vl_vision.QWEN3_VL_VISION,
+        ),
         _decoder("GemmaForCausalLM", gemma.gemma_config_from_hf, gemma.GEMMA1_WEIGHT_RULES),
         _decoder("Gemma2ForCausalLM", gemma.gemma2_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),
         _decoder("Gemma3ForCausalLM", gemma.gemma3_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),

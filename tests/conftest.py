@@ -104,3 +104,13 @@ def mistral3_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
     folder = tmp_path_factory.mktemp("mistral3_vision")
     return folder, save_model(folder)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Qwen3-VL checkpoint folder and its HF model (the reference), saved once
+    for the image tests (``tests/models/qwen3_vl_vision_fixture.py``)."""
+    from tests.models.qwen3_vl_vision_fixture import save_model
+
+    folder = tmp_path_factory.mktemp("qwen3_vl_vision")
+    return folder, save_model(folder)

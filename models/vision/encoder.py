@@ -91,11 +91,12 @@ class VisionWeights:
 
 
 def _value(name: str, path: tuple[Any, ...], tensor: np.ndarray) -> np.ndarray:
-    """HF's layout to ours: linear weights ``[out, in]`` (a patch convolution's
-    ``[out, channels, rows, columns]``) become ``[in, out]`` kernels."""
+    """HF's layout to ours: linear weights ``[out, in]`` (a patch convolution's ``[out,
+    channels, rows, columns]``, or ``[out, channels, frames, rows, columns]``: a linear map of
+    the flattened patch) become ``[in, out]`` kernels."""
     if path[-1] != "kernel":
         return tensor
-    if tensor.ndim == 4:
+    if tensor.ndim in (4, 5):
         tensor = tensor.reshape(tensor.shape[0], -1)
     if tensor.ndim != 2:
         raise WeightLoadError(f"{name}: expected a matrix, got shape {tensor.shape}")

@@ -17,6 +17,7 @@ from jax_llm_runtime.models.vision.encoder import VisionWeights
 from jax_llm_runtime.runtime.engine.image_encoder import ImageEncoder
 from jax_llm_runtime.runtime.multimodal.pixtral import mistral3_processor
 from jax_llm_runtime.runtime.multimodal.processor import gemma3_processor
+from jax_llm_runtime.runtime.multimodal.qwen_vl import qwen3_vl_processor
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def image_encoder(
 
     if spec.hf_architecture == "Mistral3ForConditionalGeneration":
         processor = mistral3_processor(vision.folder, vision.config, token_id, max_images)
+    elif spec.hf_architecture == "Qwen3VLForConditionalGeneration":
+        processor = qwen3_vl_processor(vision.folder, vision.config, token_id, max_images)
     else:
         processor = gemma3_processor(vision.folder, vision.config, token_text, max_images)
     return ImageEncoder(spec.vision, vision.config, vision.weights, processor)
