@@ -30,6 +30,7 @@ from jax_llm_runtime.models.vision.encoder import (
     VisionSpec,
     VisionWeights,
     load_vision,
+    pack_images,
 )
 from jax_llm_runtime.models.vision.pixtral import (
     PixtralConfig,
@@ -225,19 +226,7 @@ def _image_patches(
 
 def pack(cfg: Mistral3VisionConfig, pixels: Sequence[np.ndarray], num_patches: int) -> PackedImages:
     """``pixels`` (each ``[3, height, width]``) packed into a run of ``num_patches`` patches."""
-    patches = np.zeros((num_patches, cfg.tower.patch_features), np.float32)
-    positions = np.zeros((num_patches, 2), np.int32)
-    segments = np.full(num_patches, -1, np.int32)
-    tokens, start = [], 0
-    for i, image in enumerate(pixels):
-        values, where = _image_patches(cfg, np.asarray(image, np.float32))
-        end = start + len(values)
-        if end > num_patches:
-            raise ValueError(f"the images have more than {num_patches} patches")
-        patches[start:end], positions[start:end], segments[start:end] = values, where, i
-        tokens.append(len(values) // cfg.patch_multiple)
-        start = end
-    return PackedImages(patches, positions, segments, tuple(tokens))
+    return pack_images(cfg, pixels, num_patches, _image_patches)
 
 
 MISTRAL3_VISION = VisionSpec(

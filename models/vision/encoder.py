@@ -37,6 +37,31 @@ class PackedImages:
     tokens: tuple[int, ...]  # soft tokens per image
 
 
+def pack_images(
+    cfg: Any,
+    pixels: Sequence[np.ndarray],
+    num_patches: int,
+    image_patches: Callable[[Any, np.ndarray], tuple[np.ndarray, np.ndarray]],
+) -> PackedImages:
+    """``pixels`` (each ``[3, height, width]``) packed into a run of ``num_patches`` patches:
+    ``image_patches(cfg, image)`` gives one image's patches ``[n, cfg.patch_features]`` and
+    positions ``[n, cfg.position_width]`` in the order of its merged tokens (``cfg.
+    patch_multiple`` patches each); a ValueError when they do not fit."""
+    patches = np.zeros((num_patches, cfg.patch_features), np.float32)
+    positions = np.zeros((num_patches, cfg.position_width), np.int32)
+    segments = np.full(num_patches, -1, np.int32)
+    tokens, start = [], 0
+    for i, image in enumerate(pixels):
+        values, where = image_patches(cfg, np.asarray(image, np.float32))
+        end = start + len(values)
+        if end > num_patches:
+            raise ValueError(f"the images have more than {num_patches} patches")
+        patches[start:end], positions[start:end], segments[start:end] = values, where, i
+        tokens.append(len(values) // cfg.patch_multiple)
+        start = end
+    return PackedImages(patches, positions, segments, tuple(tokens))
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """``config_from_hf(hf)`` -> the encoder config (``image_token_id``, and for one fixed image

@@ -11,10 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_llm_runtime.runtime.engine.request import SamplingParams
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from tests.models import gemma3_vision_fixture as fx
-from tests.runtime.image_requests import greedy, greedy_together, preprocess
+from tests.runtime.image_requests import (
+    greedy,
+    greedy_preempted_once,
+    greedy_together,
+    image_traffic_compiles,
+    preprocess,
+)
 
 NEW_TOKENS = 8
 PAGE_SIZE = 8
@@ -108,24 +113,9 @@ def test_prefix_cache_keys_include_images(served) -> None:
 def test_image_traffic_compiles_nothing_after_startup(served) -> None:
     """The image encoder's batch sizes and the steps that prefill image tokens are compiled
     with the other buckets, before serving traffic needs them."""
-    import jax
-
     engine, _ = served
-    assert engine.compile_done.wait(timeout=300)
-    events: list[str] = []
-
-    def listener(event: str, *_args, **_kwargs) -> None:
-        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        for n in (1, 2):
-            inputs = _inputs(engine, fx.random_images(n, seed=40 + n))
-            _run(engine, _prompt(n), inputs, f"no-compile-{n}")
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert events == []
+    requests = [(_prompt(n), _inputs(engine, fx.random_images(n, seed=40 + n))) for n in (1, 2)]
+    assert image_traffic_compiles(engine, requests) == []
 
 
 def test_text_prompts_and_mismatched_images(served) -> None:
@@ -143,26 +133,15 @@ def test_preemption_recomputes_with_the_same_image(saved) -> None:
     """A sequence preempted after its image was prefilled is recomputed from its tokens (no
     prefix cache here, so the image's tokens too) with the soft tokens it kept: the encoder runs
     once, and the greedy tokens are HF's."""
-    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
     from jax_llm_runtime.runtime.loading.builder import build_engine
     from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages, image_spans
 
     folder, hf_model = saved
     engine = build_engine(_config(folder, prefix_cache=False))  # driven here, not started
-    scheduler, runner = engine.scheduler, engine.runner
-    encoded = []
-    encode = runner.images.encode
-    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
     inputs = _inputs(engine, fx.random_images(1, seed=30))
     ids = _prompt(1)
     spans = image_spans(ids, fx.IMAGE_ID, fx.TOKENS_PER_IMAGE)
-    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    seq = Sequence("p", ids, sampling, 0, 1, images=SequenceImages(inputs, tuple(spans)))
-    scheduler.add(seq)
-    while seq.status is not SequenceStatus.FINISHED:
-        batch = scheduler.schedule()
-        scheduler.update(batch, runner.run(batch).token_ids)
-        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
-            scheduler._preempt(seq)
-    assert seq.num_preemptions == 1 and encoded == [1]
-    assert seq.output_ids == _hf_greedy(hf_model, ids, inputs[0].pixels[None])
+    images = SequenceImages(inputs, tuple(spans))
+    tokens, preemptions, encoded = greedy_preempted_once(engine, ids, images, NEW_TOKENS)
+    assert preemptions == 1 and encoded == [1]
+    assert tokens == _hf_greedy(hf_model, ids, inputs[0].pixels[None])

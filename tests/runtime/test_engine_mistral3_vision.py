@@ -11,11 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_llm_runtime.runtime.engine.request import SamplingParams
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from tests.models import mistral3_vision_fixture as fx
 from tests.models.gemma3_vision_fixture import random_images
-from tests.runtime.image_requests import greedy, greedy_together, preprocess
+from tests.runtime.image_requests import (
+    greedy,
+    greedy_preempted_once,
+    greedy_together,
+    image_traffic_compiles,
+    preprocess,
+)
 
 NEW_TOKENS = 8
 PAGE_SIZE = 8
@@ -110,24 +115,9 @@ def test_processor_pixels_and_expansion(served) -> None:
 
 
 def test_image_traffic_compiles_nothing_after_startup(served) -> None:
-    import jax
-
     engine, _ = served
-    assert engine.compile_done.wait(timeout=300)
-    events: list[str] = []
-
-    def listener(event: str, *_args, **_kwargs) -> None:
-        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        for n in (1, 3):
-            inputs = _inputs(engine, random_images(n, seed=40 + n))
-            _run(engine, _prompt(inputs), inputs, f"no-compile-{n}")
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert events == []
+    inputs = [_inputs(engine, random_images(n, seed=40 + n)) for n in (1, 3)]
+    assert image_traffic_compiles(engine, [(_prompt(i), i) for i in inputs]) == []
 
 
 def test_text_prompts_and_mismatched_images(served) -> None:
@@ -165,7 +155,6 @@ def test_preemption_recomputes_with_the_same_images(mistral3_vision_checkpoint) 
     prefix cache here) with the soft tokens it kept: the encoder runs once, and the greedy
     tokens are HF's."""
     from jax_llm_runtime.runtime.config import EngineConfig
-    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
     folder, hf_model = mistral3_vision_checkpoint
@@ -175,20 +164,9 @@ def test_preemption_recomputes_with_the_same_images(mistral3_vision_checkpoint) 
         decode_steps=1, kvcache_mem_mb=1, prefix_cache=False,
     )  # fmt: skip
     engine = build_engine(config)  # driven here, not started
-    scheduler, runner = engine.scheduler, engine.runner
-    encoded = []
-    encode = runner.images.encode
-    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
     inputs = _inputs(engine, random_images(2, seed=30))
     ids = _prompt(inputs)
-    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     images = engine.image_processor.locate(ids, inputs)
-    seq = Sequence("p", ids, sampling, 0, 1, images=images)
-    scheduler.add(seq)
-    while seq.status is not SequenceStatus.FINISHED:
-        batch = scheduler.schedule()
-        scheduler.update(batch, runner.run(batch).token_ids)
-        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
-            scheduler._preempt(seq)
-    assert seq.num_preemptions == 1 and encoded == [2]
-    assert seq.output_ids == _hf_greedy(hf_model, ids, inputs)
+    tokens, preemptions, encoded = greedy_preempted_once(engine, ids, images, NEW_TOKENS)
+    assert preemptions == 1 and encoded == [2]
+    assert tokens == _hf_greedy(hf_model, ids, inputs)

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from jax_llm_runtime.runtime.engine.request import SamplingParams
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput
 from tests.models import qwen3_vl_vision_fixture as fx
 from tests.models.gemma3_vision_fixture import random_images
-from tests.runtime.image_requests import greedy, greedy_together, preprocess
+from tests.runtime.image_requests import (
+    greedy,
+    greedy_preempted_once,
+    greedy_together,
+    image_traffic_compiles,
+    preprocess,
+)
 
 NEW_TOKENS = 8
 PAGE_SIZE = 8
@@ -99,46 +104,20 @@ def test_processor_expansion_is_found_again(served) -> None:
 
 
 def test_image_traffic_compiles_nothing_after_startup(served) -> None:
-    import jax
-
     engine, _ = served
-    assert engine.compile_done.wait(timeout=300)
-    events: list[str] = []
-
-    def listener(event: str, *_args, **_kwargs) -> None:
-        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        for n in (1, 3):
-            inputs = preprocess(engine, random_images(n, seed=40 + n))
-            greedy(engine, _prompt(inputs), inputs, f"no-compile-{n}", NEW_TOKENS)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert events == []
+    inputs = [preprocess(engine, random_images(n, seed=40 + n)) for n in (1, 3)]
+    assert image_traffic_compiles(engine, [(_prompt(i), i) for i in inputs]) == []
 
 
 def test_preemption_recomputes_with_the_same_images(qwen3_vl_vision_checkpoint) -> None:
-    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
     folder, hf_model = qwen3_vl_vision_checkpoint
     engine = build_engine(_config(folder, prefix_cache=False, decode_steps=1))  # driven here
-    scheduler, runner = engine.scheduler, engine.runner
-    encoded = []
-    encode = runner.images.encode
-    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
     images = random_images(2, seed=30)
     inputs = preprocess(engine, images)
     ids = _prompt(inputs)
-    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    seq = Sequence("p", ids, sampling, 0, 1, images=engine.image_processor.locate(ids, inputs))
-    scheduler.add(seq)
-    while seq.status is not SequenceStatus.FINISHED:
-        batch = scheduler.schedule()
-        scheduler.update(batch, runner.run(batch).token_ids)
-        if len(seq.output_ids) == 2 and seq.num_preemptions == 0:
-            scheduler._preempt(seq)
-    assert seq.num_preemptions == 1 and encoded == [2]
-    assert seq.output_ids == fx.hf_greedy(hf_model, ids, images, NEW_TOKENS)
+    located = engine.image_processor.locate(ids, inputs)
+    tokens, preemptions, encoded = greedy_preempted_once(engine, ids, located, NEW_TOKENS)
+    assert preemptions == 1 and encoded == [2]
+    assert tokens == fx.hf_greedy(hf_model, ids, images, NEW_TOKENS)
