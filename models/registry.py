@@ -188,8 +188,10 @@ _SPECS = {
         ),
         _decoder(
             "Qwen3_5ForConditionalGeneration",
-            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.qwen3_5_vl_config_from_hf,
             qwen3_next.QWEN3_5_MULTIMODAL_WEIGHT_RULES,
+            qwen3_vl_vision.load_text,
+            vision=qwen3_vl_vision.QWEN3_5_VISION,
         ),
         _decoder(
             "Qwen3_5MoeForCausalLM",
@@ -198,8 +200,10 @@ _SPECS = {
         ),
         _decoder(
             "Qwen3_5MoeForConditionalGeneration",
-            qwen3_next.qwen3_5_config_from_hf,
+            qwen3_next.qwen3_5_vl_config_from_hf,
             qwen3_next.QWEN3_5_MOE_MULTIMODAL_WEIGHT_RULES,
+            qwen3_vl_vision.load_text,
+            vision=qwen3_vl_vision.QWEN3_5_VISION,
         ),
         _decoder(
             "DeepseekV3ForCausalLM",

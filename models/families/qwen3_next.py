@@ -7,12 +7,14 @@ Qwen3-Next fuses the linear attention's input projections per key head (``in_pro
 ``in_proj_ba``); Qwen3.5 keeps them apart. Qwen3-Next's and Qwen3.5-MoE's feed-forward blocks
 are Qwen2-MoE's (routed experts and a shared expert scaled by a sigmoid gate); Qwen3.5's dense
 model has a plain MLP. A multimodal Qwen3.5 checkpoint (``Qwen3_5ForConditionalGeneration``)
-is served as its text model; its vision tower is skipped. The multi-token-prediction head
-(``mtp.*``) is not used.
+serves images too: its vision tower is Qwen3-VL's without deepstack levels
+(``models.families.qwen3_vl_vision``), and its full-attention layers turn with multimodal rope
+(``qwen3_5_vl_config_from_hf``). The multi-token-prediction head (``mtp.*``) is not used.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
@@ -111,6 +113,17 @@ def qwen3_5_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     rope = text.get("rope_parameters") or {}
     plain = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
     return _hybrid({**text, "rope_parameters": plain or None}, fused=False)
+
+
+def qwen3_5_vl_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
+    """A multimodal Qwen3.5 checkpoint's text model with its multimodal rope: each rotary
+    frequency of the full-attention layers turns with one of a token's three positions,
+    interleaved as Qwen3-VL's (``mrope_section``, [11, 11, 10] when the config has none)."""
+    cfg = qwen3_5_config_from_hf(hf)
+    text = hf.get("text_config") or hf
+    section = (text.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)
+    rope = replace(cfg.attention.rope, mrope_section=tuple(section), mrope_interleaved=True)
+    return replace(cfg, attention=replace(cfg.attention, rope=rope))
 
 
 _LINEAR = LAYER + r"linear_attn\."

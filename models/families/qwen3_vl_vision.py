@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -129,6 +129,14 @@ def qwen3_vl_vision_config_from_hf(hf: dict[str, Any]) -> Qwen3VLVisionConfig:
     )
 
 
+def qwen3_5_vision_config_from_hf(hf: dict[str, Any]) -> Qwen3VLVisionConfig:
+    """The encoder of an HF ``Qwen3_5ForConditionalGeneration`` (or its MoE's) config: Qwen3-VL's
+    tower and merger without deepstack levels."""
+    vision = {**(hf.get("vision_config") or {})}
+    vision.setdefault("deepstack_visual_indexes", ())
+    return qwen3_vl_vision_config_from_hf({**hf, "vision_config": vision})
+
+
 def load(
     cfg: Qwen3VLVisionConfig, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype
 ) -> VisionWeights:
@@ -199,3 +207,6 @@ QWEN3_VL_VISION = VisionSpec(
     pack=pack,
     bidirectional=False,
 )
+
+# Qwen3.5's (dense and MoE): the same tower, names and prompt tokens, no deepstack levels.
+QWEN3_5_VISION = replace(QWEN3_VL_VISION, config_from_hf=qwen3_5_vision_config_from_hf)

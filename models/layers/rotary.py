@@ -98,10 +98,15 @@ class RopeConfig:
         self._check_factor_lists()
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(v) for v in self.mrope_section))
-            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
+            # Interleaved, the counts only bound each axis's frequencies (transformers applies
+            # Qwen3.5's default [11, 11, 10] to any rotary width); in runs they must fill it.
+            runs = not self.mrope_interleaved
+            if len(self.mrope_section) != 3 or (
+                runs and sum(self.mrope_section) != self.rotary_dim // 2
+            ):
                 raise ValueError(
-                    f"mrope_section {list(self.mrope_section)} must be three counts summing to "
-                    f"rotary_dim // 2 = {self.rotary_dim // 2}"
+                    f"mrope_section {list(self.mrope_section)} must be three counts"
+                    + (f" summing to rotary_dim // 2 = {self.rotary_dim // 2}" if runs else "")
                 )
 
     def _check_scaling_params(self) -> None:

@@ -21,6 +21,15 @@ from jax_llm_runtime.runtime.multimodal.qwen_vl import qwen3_vl_processor
 
 logger = logging.getLogger(__name__)
 
+# The architectures whose images Qwen3-VL's processor prepares.
+QWEN_VL_ARCHITECTURES = frozenset(
+    (
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+)
+
 
 @dataclass
 class VisionTensors:
@@ -82,7 +91,7 @@ def image_encoder(
 
     if spec.hf_architecture == "Mistral3ForConditionalGeneration":
         processor = mistral3_processor(vision.folder, vision.config, token_id, max_images)
-    elif spec.hf_architecture == "Qwen3VLForConditionalGeneration":
+    elif spec.hf_architecture in QWEN_VL_ARCHITECTURES:
         processor = qwen3_vl_processor(vision.folder, vision.config, token_id, max_images)
     else:
         processor = gemma3_processor(vision.folder, vision.config, token_text, max_images)

@@ -1,5 +1,7 @@
 """A tiny random-weight Qwen3-VL checkpoint (``Qwen3VLForConditionalGeneration`` with a tiny
 vision tower of two deepstack levels and a tiny Qwen3-VL text model with interleaved M-RoPE),
+or Qwen3.5's (``Qwen3_5ForConditionalGeneration``: the tower without deepstack levels, a tiny
+hybrid text model whose full-attention layers turn half their features with M-RoPE),
 saved with ``save_pretrained`` beside a byte-level tokenizer that knows Qwen's chat and vision
 tokens, a chat template that renders image parts as
 ``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen's does, and the image processor's
@@ -38,7 +40,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_config() -> Any:
+def hf_config(family: str = "qwen3_vl") -> Any:
+    """The tiny config of ``family``: "qwen3_vl" or "qwen3_5"."""
+    if family == "qwen3_5":
+        return _qwen3_5_config()
     from transformers import Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLVisionConfig
 
     rope = {
@@ -64,6 +69,34 @@ def hf_config() -> Any:
     return config
 
 
+def _qwen3_5_config() -> Any:
+    from transformers import Qwen3_5Config
+
+    rope = {
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+        "mrope_section": [1, 2, 1], "mrope_interleaved": True,
+    }  # fmt: skip
+    text = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2,
+        rope_parameters=rope, pad_token_id=END_OF_TEXT_ID,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, out_hidden_size=64,
+        num_position_embeddings=16,
+    )  # fmt: skip
+    config = Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+        video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return config
+
+
 def save_tokenizer(folder: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -80,16 +113,21 @@ def save_tokenizer(folder: Path) -> None:
     hf.save_pretrained(folder)
 
 
-def save_model(folder: Path, seed: int = 0) -> Any:
-    """The seeded float32 HF model saved in ``folder`` with the tokenizer and a
+def save_model(folder: Path, seed: int = 0, family: str = "qwen3_vl") -> Any:
+    """The seeded float32 HF model of ``family`` saved in ``folder`` with the tokenizer and a
     ``preprocessor_config.json``; returns the HF model."""
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(hf_config()).to(torch.float32).eval()
+    cls = (
+        Qwen3_5ForConditionalGeneration if family == "qwen3_5" else Qwen3VLForConditionalGeneration
+    )
+    model = cls(hf_config(family)).to(torch.float32).eval()
     with torch.no_grad():  # initial weights are small: make the images (and positions) matter
         for name, p in model.named_parameters():
+            if "linear_attn" in name and name.endswith(("A_log", "dt_bias")):
+                continue  # the gated delta rule's decay: kept as initialized (stable)
             if "norm" in name and name.endswith(".weight"):
                 p.normal_(1.0, 0.2)
             elif "pos_embed" in name:

@@ -107,6 +107,14 @@ def test_rotation_matches_transformers(section: tuple[int, int, int]) -> None:
     np.testing.assert_allclose(np.asarray(same), np.asarray(plain), atol=1e-6)
 
 
-def test_a_section_that_does_not_fill_the_rotary_features_is_refused() -> None:
-    with pytest.raises(ValueError, match="mrope_section"):
+def test_sections() -> None:
+    """Runs of frequencies must fill the rotary features; interleaved, the counts only bound
+    each axis (transformers applies Qwen3.5's default [11, 11, 10] to a rotary width of 4)."""
+    with pytest.raises(ValueError, match="summing to rotary_dim"):
         RopeConfig(theta=1e4, rotary_dim=16, mrope_section=(2, 2, 2))
+    with pytest.raises(ValueError, match="three counts"):
+        RopeConfig(theta=1e4, rotary_dim=16, mrope_section=(4, 4), mrope_interleaved=True)
+    runs = RopeConfig(theta=1e4, rotary_dim=16, mrope_section=(2, 3, 3))
+    assert runs.mrope_axes().tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    wide = RopeConfig(theta=1e4, rotary_dim=4, mrope_section=(11, 11, 10), mrope_interleaved=True)
+    assert wide.mrope_axes().tolist() == [0, 1]

@@ -1,8 +1,10 @@
-"""Qwen3-VL with images against HF ``Qwen3VLForConditionalGeneration``: last-position logits of
-prompts with one and two images of different sizes, whose ``<|image_pad|>`` tokens take the
-encoder's tokens, whose first layers add its deepstack levels and whose rope turns with
-(temporal, height, width) positions, over shuffled pages holding garbage; and a text-only
-prompt, where the multimodal rope is the plain one."""
+"""Qwen3-VL and multimodal Qwen3.5 with images against HF ``Qwen3VLForConditionalGeneration``
+and ``Qwen3_5ForConditionalGeneration``: last-position logits of prompts with one and two
+images of different sizes, whose ``<|image_pad|>`` tokens take the encoder's tokens, whose
+first layers add its deepstack levels (Qwen3-VL) and whose rope turns with (temporal, height,
+width) positions (Qwen3.5: in its full-attention layers, over half their features, beside
+linear-attention layers), over shuffled pages holding garbage; and a text-only prompt, where
+the multimodal rope is the plain one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_llm_runtime.models.layers.linear_attention import HybridCache
 from jax_llm_runtime.models.registry import get_model_spec
 from jax_llm_runtime.runtime.loading.hf_loader import load_hf_checkpoint
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages
@@ -22,14 +25,13 @@ from tests.models.harness import prompt_batch
 PAGE_SIZE = 4
 PADDED = 192  # the prompts' rows, padded
 NUM_PATCHES = 448  # the encoder's run, padded
-ARCH = "Qwen3VLForConditionalGeneration"
 
 
-@pytest.fixture(scope="module")
-def loaded(qwen3_vl_vision_checkpoint):
-    folder, hf_model = qwen3_vl_vision_checkpoint
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def loaded(request):
+    folder, hf_model = request.getfixturevalue(f"{request.param}_vision_checkpoint")
     checkpoint = load_hf_checkpoint(Path(folder))
-    spec = get_model_spec(ARCH)
+    spec = get_model_spec(checkpoint.config["architectures"][0])
     config = spec.config_from_hf(checkpoint.config)
     vision_config = spec.vision.config_from_hf(checkpoint.config)
     captured: dict[str, np.ndarray] = {}
@@ -73,15 +75,25 @@ def _our_logits(loaded, ids: list[int], images: list, *, deepstack=True, mrope=T
     seq = SequenceImages(inputs, spans, bidirectional=False, grids=grids)
     rope = np.zeros((PADDED, 3), np.int32)
     rope[: len(ids)] = seq.rope_positions(0, len(ids)) if mrope else np.arange(len(ids))[:, None]
-    cache, batch = prompt_batch(config, ids, PADDED, PAGE_SIZE)
+    cache, batch = _prompt_batch(config, ids)
     batch = batch.replace(embeds=embeds, embed_rows=rows, rope_positions=rope)
     logits, _ = forward(config, weights, cache, batch)
     return np.asarray(logits)[0]
 
 
+def _prompt_batch(config, ids: list[int]):
+    """``harness.prompt_batch``, with zeroed state slots for a hybrid model's linear layers."""
+    cache, batch = prompt_batch(config, ids, PADDED, PAGE_SIZE)
+    linear = getattr(config, "linear_attention", None)
+    if linear is not None:
+        conv, rec = linear.state_shapes(config.num_linear_layers, 1)
+        cache = HybridCache(cache, np.zeros(conv, np.float32), np.zeros(rec, np.float32))
+    return cache, batch
+
+
 def test_config_has_interleaved_mrope(loaded) -> None:
     rope = loaded[1].attention.rope
-    assert rope.mrope_section == (2, 3, 3) and rope.mrope_interleaved
+    assert rope.mrope_section in ((2, 3, 3), (1, 2, 1)) and rope.mrope_interleaved
 
 
 @pytest.mark.parametrize("num_images", [1, 2])
@@ -96,14 +108,16 @@ def test_logits_match_hf(loaded, num_images: int) -> None:
     np.testing.assert_allclose(ours, fx.hf_logits(hf_model, ids, images), atol=1e-4, rtol=0)
     # Each part matters: without the deepstack levels, or with plain positions, the logits
     # differ from HF's.
-    for part in ({"deepstack": False}, {"mrope": False}):
+    levels = loaded[3].deepstack_levels
+    assert levels == (2 if loaded[0].hf_architecture.startswith("Qwen3VL") else 0)
+    for part in ({"deepstack": False}, {"mrope": False})[0 if levels else 1 :]:
         assert not np.allclose(ours, _our_logits(loaded, ids, images, **part), atol=1e-3), part
 
 
 def test_text_only_logits_match_hf(loaded) -> None:
     _, config, weights, *_, forward, _, hf_model = loaded
     ids = [fx.IM_START_ID, *b"user\nhello there, how are you?"]
-    cache, batch = prompt_batch(config, ids, PADDED, PAGE_SIZE)
+    cache, batch = _prompt_batch(config, ids)
     logits, _ = forward(config, weights, cache, batch)  # no rope_positions: plain positions
     want = fx.hf_logits(hf_model, ids, [])
     np.testing.assert_allclose(np.asarray(logits)[0], want, atol=1e-4, rtol=0)

@@ -1,4 +1,5 @@
-"""A tiny Qwen3-VL model through the whole engine: greedy tokens equal HF's ``generate`` with
+"""A tiny Qwen3-VL model and a tiny multimodal Qwen3.5 (hybrid: linear-attention layers with
+state slots beside full-attention ones) through the whole engine: greedy tokens equal HF's ``generate`` with
 images of different sizes while prompts are prefilled in chunks that cut through the images
 (their tokens attend causally) and decode runs four steps per call (the multimodal rope's
 positions advance on the device); prompts with images share steps; the processor's prompt
@@ -30,16 +31,16 @@ def _config(folder, **overrides):
     settings = dict(
         model_id=str(folder), max_num_seqs=2, max_model_len=256, dtype="float32",
         page_size=PAGE_SIZE, prefill_chunk_size=PAGE_SIZE, max_num_batched_tokens=12,
-        decode_steps=4, kvcache_mem_mb=1,
+        decode_steps=4, kvcache_mem_mb=4,
     )  # fmt: skip
     return EngineConfig(**(settings | overrides))
 
 
-@pytest.fixture(scope="module")
-def served(qwen3_vl_vision_checkpoint):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def served(request):
     from jax_llm_runtime.runtime.loading.builder import build_engine
 
-    folder, hf_model = qwen3_vl_vision_checkpoint
+    folder, hf_model = request.getfixturevalue(f"{request.param}_vision_checkpoint")
     engine = build_engine(_config(folder))
     engine.start()
     yield engine, hf_model
