@@ -112,6 +112,13 @@ _SPECS = {
             qwen3_vl_vision.load_text,
             vision=qwen3_vl_vision.QWEN3_VL_VISION,
         ),
+        _decoder(
+            "Qwen3VLMoeForConditionalGeneration",
+            qwen3.qwen3_vl_moe_config_from_hf,
+            qwen3.QWEN3_VL_MOE_WEIGHT_RULES,
+            qwen3_vl_vision.load_text_moe,
+            vision=qwen3_vl_vision.QWEN3_VL_VISION,
+        ),
         _decoder("GemmaForCausalLM", gemma.gemma_config_from_hf, gemma.GEMMA1_WEIGHT_RULES),
         _decoder("Gemma2ForCausalLM", gemma.gemma2_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),
         _decoder("Gemma3ForCausalLM", gemma.gemma3_config_from_hf, gemma.GEMMA2_WEIGHT_RULES),

@@ -124,3 +124,13 @@ def qwen3_5_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
     folder = tmp_path_factory.mktemp("qwen3_5_vision")
     return folder, save_model(folder, family="qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Qwen3-VL-MoE checkpoint folder and its HF model (the reference), saved once
+    for the image tests (``tests/models/qwen3_vl_vision_fixture.py``)."""
+    from tests.models.qwen3_vl_vision_fixture import save_model
+
+    folder = tmp_path_factory.mktemp("qwen3_vl_moe_vision")
+    return folder, save_model(folder, family="qwen3_vl_moe")

@@ -14,7 +14,6 @@ serves images too: its vision tower is Qwen3-VL's without deepstack levels
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from jax_llm_runtime.models.decoder import DecoderConfig
@@ -26,6 +25,7 @@ from jax_llm_runtime.models.families.llama import (
 )
 from jax_llm_runtime.models.families.llama import config_from_hf as llama_like
 from jax_llm_runtime.models.families.moe_models import QWEN_MOE_WEIGHT_RULES
+from jax_llm_runtime.models.families.qwen3 import with_mrope
 from jax_llm_runtime.models.layers.linear_attention import LinearAttentionConfig
 from jax_llm_runtime.models.layers.moe import MoEConfig
 from jax_llm_runtime.models.layers.norms import NormConfig
@@ -119,11 +119,7 @@ def qwen3_5_vl_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     """A multimodal Qwen3.5 checkpoint's text model with its multimodal rope: each rotary
     frequency of the full-attention layers turns with one of a token's three positions,
     interleaved as Qwen3-VL's (``mrope_section``, [11, 11, 10] when the config has none)."""
-    cfg = qwen3_5_config_from_hf(hf)
-    text = hf.get("text_config") or hf
-    section = (text.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)
-    rope = replace(cfg.attention.rope, mrope_section=tuple(section), mrope_interleaved=True)
-    return replace(cfg, attention=replace(cfg.attention, rope=rope))
+    return with_mrope(qwen3_5_config_from_hf(hf), hf.get("text_config") or hf, (11, 11, 10))
 
 
 _LINEAR = LAYER + r"linear_attn\."

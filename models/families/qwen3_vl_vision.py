@@ -15,7 +15,7 @@ the tower's position table is resampled to.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +61,33 @@ def canonical_name(name: str) -> str:
 
 # The text model of the checkpoint (names made canonical; the encoder's are skipped).
 load_text = functools.partial(checkpoint.load_renamed, canonical_name)
+
+_EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def load_text_moe(
+    cfg: Any, tensors: Iterable[tuple[str, Any]], dtype: Any, num_tensors: int | None = None,
+    *, rules: Sequence[Any],
+) -> Any:  # fmt: skip
+    """``load_text`` of a Qwen3-VL-MoE checkpoint, whose expert stacks come in two layouts:
+    released checkpoints store ``gate_up_proj`` ``[experts, hidden, 2 * inter]`` and
+    ``down_proj`` ``[experts, inter, hidden]``, transformers 5 (and its ``save_pretrained``)
+    ``[experts, 2 * inter, hidden]`` and ``[experts, hidden, inter]``, which the rules read. A
+    stack is turned when its shape is the released one and not also the other (transformers
+    turns it on the same condition)."""
+    h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
+    released = {_EXPERT_STACKS[0]: (h, 2 * i), _EXPERT_STACKS[1]: (i, h)}
+
+    def stacks() -> Iterator[tuple[str, Any]]:
+        for name, value in tensors:
+            name = canonical_name(name)
+            kind = next((k for k in _EXPERT_STACKS if name.endswith(k)), None)
+            shape = None if kind is None else released[kind]
+            if shape is not None and tuple(value.shape[1:]) == shape and shape[0] != shape[1]:
+                value = np.swapaxes(np.asarray(value), 1, 2)
+            yield name, value
+
+    return checkpoint.load(cfg, stacks(), dtype, num_tensors, rules=rules)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 QWEN_VL_ARCHITECTURES = frozenset(
     (
         "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
     )

@@ -1,6 +1,7 @@
 """A tiny random-weight Qwen3-VL checkpoint (``Qwen3VLForConditionalGeneration`` with a tiny
 vision tower of two deepstack levels and a tiny Qwen3-VL text model with interleaved M-RoPE),
-or Qwen3.5's (``Qwen3_5ForConditionalGeneration``: the tower without deepstack levels, a tiny
+or Qwen3-VL-MoE's (``Qwen3VLMoeForConditionalGeneration``: the text model's feed-forward
+blocks are four experts, top-2), or Qwen3.5's (``Qwen3_5ForConditionalGeneration``: the tower without deepstack levels, a tiny
 hybrid text model whose full-attention layers turn half their features with M-RoPE),
 saved with ``save_pretrained`` beside a byte-level tokenizer that knows Qwen's chat and vision
 tokens, a chat template that renders image parts as
@@ -41,31 +42,42 @@ CHAT_TEMPLATE = (
 
 
 def hf_config(family: str = "qwen3_vl") -> Any:
-    """The tiny config of ``family``: "qwen3_vl" or "qwen3_5"."""
+    """The tiny config of ``family``: "qwen3_vl", "qwen3_vl_moe" or "qwen3_5"."""
     if family == "qwen3_5":
         return _qwen3_5_config()
-    from transformers import Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLVisionConfig
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeTextConfig,
+        Qwen3VLTextConfig,
+        Qwen3VLVisionConfig,
+    )
 
     rope = {
         "rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3],
         "mrope_interleaved": True,
     }  # fmt: skip
-    text = Qwen3VLTextConfig(
+    moe = family == "qwen3_vl_moe"
+    text = (Qwen3VLMoeTextConfig if moe else Qwen3VLTextConfig)(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_parameters=rope, pad_token_id=END_OF_TEXT_ID,
+        # The experts' stacks are [4, 96, 64] and [4, 64, 48]: no side equals another.
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48) if moe else {}),
     )  # fmt: skip
     vision = Qwen3VLVisionConfig(
         depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH_SIZE,
         temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, out_hidden_size=64,
         num_position_embeddings=16, deepstack_visual_indexes=list(DEEPSTACK),
     )  # fmt: skip
-    config = Qwen3VLConfig(
+    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
         video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID, tie_word_embeddings=False,
     )  # fmt: skip
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.architectures = [
+        "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+    ]
     return config
 
 
@@ -117,13 +129,11 @@ def save_model(folder: Path, seed: int = 0, family: str = "qwen3_vl") -> Any:
     """The seeded float32 HF model of ``family`` saved in ``folder`` with the tokenizer and a
     ``preprocessor_config.json``; returns the HF model."""
     import torch
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
+    import transformers
 
     torch.manual_seed(seed)
-    cls = (
-        Qwen3_5ForConditionalGeneration if family == "qwen3_5" else Qwen3VLForConditionalGeneration
-    )
-    model = cls(hf_config(family)).to(torch.float32).eval()
+    config = hf_config(family)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.float32).eval()
     with torch.no_grad():  # initial weights are small: make the images (and positions) matter
         for name, p in model.named_parameters():
             if "linear_attn" in name and name.endswith(("A_log", "dt_bias")):

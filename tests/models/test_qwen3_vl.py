@@ -27,7 +27,7 @@ PADDED = 192  # the prompts' rows, padded
 NUM_PATCHES = 448  # the encoder's run, padded
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def loaded(request):
     folder, hf_model = request.getfixturevalue(f"{request.param}_vision_checkpoint")
     checkpoint = load_hf_checkpoint(Path(folder))
@@ -109,7 +109,7 @@ def test_logits_match_hf(loaded, num_images: int) -> None:
     # Each part matters: without the deepstack levels, or with plain positions, the logits
     # differ from HF's.
     levels = loaded[3].deepstack_levels
-    assert levels == (2 if loaded[0].hf_architecture.startswith("Qwen3VL") else 0)
+    assert levels == (0 if loaded[0].hf_architecture.startswith("Qwen3_5") else 2)
     for part in ({"deepstack": False}, {"mrope": False})[0 if levels else 1 :]:
         assert not np.allclose(ours, _our_logits(loaded, ids, images, **part), atol=1e-3), part
 
@@ -121,3 +121,37 @@ def test_text_only_logits_match_hf(loaded) -> None:
     logits, _ = forward(config, weights, cache, batch)  # no rope_positions: plain positions
     want = fx.hf_logits(hf_model, ids, [])
     np.testing.assert_allclose(np.asarray(logits)[0], want, atol=1e-4, rtol=0)
+
+
+def test_moe_released_expert_layout_loads_the_same_weights(
+    qwen3_vl_moe_vision_checkpoint, tmp_path
+):
+    """Qwen3-VL-MoE's released checkpoints store ``gate_up_proj`` ``[experts, hidden, 2 *
+    inter]`` and ``down_proj`` ``[experts, inter, hidden]``, transposed from transformers 5's
+    layout (what ``save_pretrained`` wrote here): both load to the same arrays."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, _ = qwen3_vl_moe_vision_checkpoint
+    released = tmp_path / "released"
+    shutil.copytree(folder, released)
+    (path,) = released.glob("*.safetensors")
+    tensors = load_file(path)
+    stacks = [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacks) == 4
+    for name in stacks:
+        tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 1, 2))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    def text_weights(where: Path):
+        checkpoint = load_hf_checkpoint(where)
+        spec = get_model_spec(checkpoint.config["architectures"][0])
+        config = spec.config_from_hf(checkpoint.config)
+        text = spec.vision.split_tensors(checkpoint.tensors(), {})
+        return spec.load(config, text, np.float32, None).state
+
+    ours, theirs = text_weights(Path(folder)), text_weights(released)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
