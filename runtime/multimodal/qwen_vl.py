@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from jax_llm_runtime.runtime.multimodal.decode import ImageError
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages
 from jax_llm_runtime.runtime.multimodal.processor import (
     ImageProcessor,
@@ -120,9 +121,9 @@ class QwenVLPreprocessing:
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to (transformers' ``smart_resize``);
-        a ValueError for an aspect ratio over 200."""
+        an ``ImageError`` (a 400 over HTTP) for an aspect ratio over 200."""
         if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
-            raise ValueError(
+            raise ImageError(
                 f"the image's aspect ratio ({width}x{height} pixels) is over "
                 f"{MAX_ASPECT_RATIO}, the most the model's image processor accepts"
             )

@@ -87,3 +87,22 @@ def _check_two_images(url: str, hf_model: Any, folder: Path) -> None:
     assert reply.usage.prompt_tokens == len(ids)  # every image token is counted
     expected = fx.hf_greedy(hf_model, ids, images, NEW_TOKENS)
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_an_image_too_narrow_is_a_400(qwen3_vl_vision_checkpoint) -> None:
+    """An aspect ratio over 200 (transformers' processor refuses it too) is a 400 naming the
+    content part, and the server goes on."""
+    import httpx
+
+    from tests.api.conftest import assert_error
+
+    folder, _ = qwen3_vl_vision_checkpoint
+    narrow = Image.new("RGB", (402, 2), (200, 10, 10))
+    content = [{"type": "text", "text": "what?"}, _image_part(narrow)]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    with _served(folder) as url:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert_error(response, 400, param="messages[0].content[1]")
+        assert "aspect ratio" in response.json()["error"]["message"]
+        body["messages"][0]["content"] = "just text"
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
