@@ -3,12 +3,12 @@
 One jitted function (``VisionSpec.encode``: pixels to soft tokens) compiled ahead of time like
 the steps, for a few fixed shapes: an encoder of one image size (Gemma 3) for batch sizes 1, 2,
 4, ... up to the most images a prompt may hold; an encoder of images of any size (Mistral 3's
-Pixtral) for packed runs of 1, 2, 4, ... times a base count of patches, up to the patches of
-the largest image the processor makes (Qwen3-VL's likewise), the images of a prompt packed into as few runs as fit
-(``VisionSpec.pack``; padding patches are masked). So no image compiles anything new. The
-model runner calls it on the loop thread, before the step whose prompt chunk first reaches a
-sequence's images, and keeps the soft tokens with the sequence
-(``runtime.multimodal.inputs.SequenceImages``).
+Pixtral, Qwen3-VL's tower) for packed runs of 1, 2, 4, ... times a base count of patches, up to
+the patches of the largest image the processor makes, the images packed into as few runs as
+fit (``VisionSpec.pack``; padding patches are masked). So no image compiles anything new. The
+model runner calls it on the loop thread before a step whose prompt chunks first reach
+sequences' images, once for all of them (several requests' images packed together), and
+keeps each sequence's soft tokens with it (``runtime.multimodal.inputs.SequenceImages``).
 """
 
 from __future__ import annotations

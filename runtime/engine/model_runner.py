@@ -34,6 +34,7 @@ from jax_llm_runtime.runtime.engine.sampler import (
     sample,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, ScheduledSeq, StepKind
+from jax_llm_runtime.runtime.multimodal.inputs import SequenceImages
 from jax_llm_runtime.runtime.parallel.sharding import host_inputs, placed, replicated_sharding
 
 # The bias slots left for EOS ids, suppressed until min_tokens.
@@ -297,12 +298,11 @@ class ModelRunner:
         both_ways = self.images.bidirectional
         batch = _with_images(step_batch, self.embed_width, both_ways)
         embeds, rows, horizons = batch.embeds, batch.embed_rows, batch.horizons
+        self._encode_new_images(items)
         row = 0
         for item in items:
             images, end = item.seq.images, item.start + item.length
             for i in [] if images is None else images.overlapping(item.start, end):
-                if images.embeds is None:
-                    images.embeds = self.images.encode(images.images)
                 a, b = images.spans[i]
                 lo, hi = max(a, item.start), min(b, end)
                 chunk_rows = np.arange(row + lo - item.start, row + hi - item.start)
@@ -313,6 +313,23 @@ class ModelRunner:
                     horizons[chunk_rows] = b - 1
             row += item.length
         return batch
+
+    def _encode_new_images(self, items: tuple[ScheduledSeq, ...]) -> None:
+        """Run the image encoder once for the images of every sequence whose chunk reaches them
+        first in this step (all of a sequence's images, those of several requests packed
+        together), and keep each sequence's soft tokens with it."""
+        pending: dict[int, SequenceImages] = {}
+        for item in items:
+            images = item.seq.images
+            if images is not None and images.embeds is None and _reaches_images(item):
+                pending[id(images)] = images
+        if not pending:
+            return
+        soft = self.images.encode(tuple(i for images in pending.values() for i in images.images))
+        start = 0
+        for images in pending.values():
+            images.embeds = soft[start : start + len(images.images)]
+            start += len(images.images)
 
     def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(num_tokens, num_seqs) of the compiled shape the batch is padded to."""

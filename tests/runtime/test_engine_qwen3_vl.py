@@ -122,3 +122,36 @@ def test_preemption_recomputes_with_the_same_images(qwen3_vl_vision_checkpoint) 
     tokens, preemptions, encoded = greedy_preempted_once(engine, ids, located, NEW_TOKENS)
     assert preemptions == 1 and encoded == [2]
     assert tokens == fx.hf_greedy(hf_model, ids, images, NEW_TOKENS)
+
+
+def test_images_of_two_requests_are_encoded_together(qwen3_vl_vision_checkpoint) -> None:
+    """Two prompts whose first chunks reach their images in one step: the encoder runs once,
+    for the three images of both (packed together), and each request still gets HF's tokens."""
+    from jax_llm_runtime.runtime.engine.request import SamplingParams
+    from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
+    from jax_llm_runtime.runtime.loading.builder import build_engine
+
+    folder, hf_model = qwen3_vl_vision_checkpoint
+    engine = build_engine(_config(folder, prefix_cache=False, decode_steps=1))  # driven here
+    scheduler, runner = engine.scheduler, engine.runner
+    encoded: list[int] = []
+    encode = runner.images.encode
+    runner.images.encode = lambda images: encoded.append(len(images)) or encode(images)
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    groups = [random_images(n, seed=60 + n) for n in (1, 2)]
+    seqs, prompts = [], []
+    for i, group in enumerate(groups):
+        inputs = preprocess(engine, group)
+        ids = [fx.IM_START_ID, *fx.image_ids(_grid(inputs[0]))]  # an image from the start
+        for image in inputs[1:]:
+            ids += list(b"and") + fx.image_ids(_grid(image))
+        prompts.append(ids)
+        located = engine.image_processor.locate(ids, inputs)
+        seqs.append(Sequence(f"s{i}", ids, sampling, 0, 1, images=located))
+        scheduler.add(seqs[-1])
+    while any(s.status is not SequenceStatus.FINISHED for s in seqs):
+        batch = scheduler.schedule()
+        scheduler.update(batch, runner.run(batch).token_ids)
+    assert encoded == [3]
+    for seq, ids, group in zip(seqs, prompts, groups, strict=True):
+        assert seq.output_ids == fx.hf_greedy(hf_model, ids, group, NEW_TOKENS)
