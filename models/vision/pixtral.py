@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_llm_runtime.models.layers.mlp import ACTIVATIONS, check_activation
+from jax_llm_runtime.models.vision.attention import packed_attention
 
 RMS_EPS = 1e-5  # PixtralRMSNorm's eps in every norm of the tower, whatever the config says
 
@@ -147,7 +148,7 @@ class PixtralLayer(nnx.Module):
         visible: jax.Array,  # [num_patches, num_patches] bool: query row sees key column
     ) -> jax.Array:  # [num_patches, hidden]
         cfg = self.cfg
-        p, d = x.shape
+        p = x.shape[0]
         h = self.attention_norm(x)
 
         def heads(y: jax.Array) -> jax.Array:  # [heads, p, head_dim]
@@ -157,16 +158,7 @@ class PixtralLayer(nnx.Module):
         k = _rotate(heads(self.k_proj(h)), *rope)
         v = heads(self.v_proj(h))
 
-        def one_head(qkv: tuple[jax.Array, ...]) -> jax.Array:  # [p, head_dim]
-            q, k, v = qkv
-            scores = jnp.einsum("qd,kd->qk", q, k, preferred_element_type=jnp.float32)
-            # A finite floor, not -inf: a padding patch sees nothing and must not make NaN.
-            scores = jnp.where(visible, scores * cfg.head_dim**-0.5, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            return probs @ v
-
-        # A head at a time: the scores of thousands of patches are large per head.
-        attn = jax.lax.map(one_head, (q, k, v)).transpose(1, 0, 2).reshape(p, d)
+        attn = packed_attention(q, k, v, visible)
         x = x + self.o_proj(attn)
         h = self.ffn_norm(x)
         act = ACTIVATIONS[cfg.activation]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_llm_runtime.models.layers.mlp import ACTIVATIONS, check_activation
+from jax_llm_runtime.models.vision.attention import packed_attention
 
 NORM_EPS = 1e-6  # every LayerNorm of HF's tower and mergers, whatever the config says
 
@@ -227,22 +228,13 @@ class Qwen3VLBlock(nnx.Module):
         visible: jax.Array,  # [num_patches, num_patches] bool: query row sees key column
     ) -> jax.Array:  # [num_patches, hidden]
         cfg = self.cfg
-        p, d = x.shape
+        p = x.shape[0]
         # HF splits the fused projection as [3, heads, head_dim]: queries, keys, values.
         qkv = self.qkv(self.norm1(x)).reshape(p, 3, cfg.num_heads, cfg.head_dim)
         q, k, v = qkv.transpose(1, 2, 0, 3)  # each [heads, p, head_dim]
         q, k = _rotate(q, *rope), _rotate(k, *rope)
 
-        def one_head(qkv: tuple[jax.Array, ...]) -> jax.Array:  # [p, head_dim]
-            q, k, v = qkv
-            scores = jnp.einsum("qd,kd->qk", q, k, preferred_element_type=jnp.float32)
-            # A finite floor, not -inf: a padding patch sees nothing and must not make NaN.
-            scores = jnp.where(visible, scores * cfg.head_dim**-0.5, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            return probs @ v
-
-        # A head at a time: the scores of thousands of patches are large per head.
-        attn = jax.lax.map(one_head, (q, k, v)).transpose(1, 0, 2).reshape(p, d)
+        attn = packed_attention(q, k, v, visible)
         x = x + self.proj(attn)
         act = ACTIVATIONS[cfg.activation]
         return x + self.linear_fc2(act(self.linear_fc1(self.norm2(x))))
