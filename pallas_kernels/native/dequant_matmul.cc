@@ -215,8 +215,9 @@ struct Weight {
   // h * kHalf start (row * n), so that no pass divides.
   const int64_t* starts = nullptr;  // [k / kHalf, kArrays]
   int zero = 0;          // the zero code when z is absent (or one value for the matrix)
-  // PassQ8 reads plane row r's column c at p0 + r * pn + (c - pc), in RunItem's
-  // copy of an item's block of columns (pn: its width, pc: its first column).
+  // PassQ8 reads the bytes of plane rows 4q .. 4q + 3 at column c as one lane
+  // (Gather4's layout) at p0 + (q * pn + (c - pc)) * 4, in RunItem's copy of
+  // an item's block of columns (pn: its width, pc: its first column).
   int64_t pn = 0, pc = 0;
   int64_t fine = 0;      // the finest group: kHalf or a multiple of kRun
   bool offset = false;   // whether s * z + l can be nonzero
@@ -393,6 +394,14 @@ inline UVec Gather4(const uint8_t* row, int64_t stride) {
 #endif
 }
 
+// Gather4 of plane rows row .. row + 3 (row a multiple of 4) at column c, read
+// from RunItem's copy of an item's block, which holds them transposed already.
+inline UVec CopiedQuad(const Weight& w, const uint8_t* plane, int64_t row, int64_t c) {
+  UVec v;
+  std::memcpy(&v, plane + ((row / 4) * w.pn + (c - w.pc)) * 4, sizeof v);
+  return v;
+}
+
 // Bits [shift, shift + width) of each of a lane's four bytes.
 inline UVec FieldBytes(UVec v, int shift, int width) {
   if (shift == 0 && width == 8) return v;
@@ -504,15 +513,14 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
     for (int64_t run = 0; run < runs; ++run) {
       UVec hi[B1 ? B1 : 1];
       if constexpr (B1 != 0) {
-        for (int u = 0; u < B1; ++u)
-          hi[u] = Gather4(w.p1 + (run * kRows1 + 4 * u) * w.pn + c - w.pc, w.pn);
+        for (int u = 0; u < B1; ++u) hi[u] = CopiedQuad(w, w.p1, run * kRows1 + 4 * u, c);
       }
       UVec bytes[B0];
       IVec acc[Rows];
 #pragma GCC unroll 8
       for (int i = 0; i < kRun; i += 4) {  // codes i .. i + 3 of the run
         const int j = i % kRows0, f = i / kRows0;
-        if (f == 0) bytes[j / 4] = Gather4(w.p0 + (run * kRows0 + j) * w.pn + c - w.pc, w.pn);
+        if (f == 0) bytes[j / 4] = CopiedQuad(w, w.p0, run * kRows0 + j, c);
         UVec q = FieldBytes(bytes[j / 4], f * B0, B0);
         if constexpr (B1 != 0) q |= FieldBytes(hi[(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
         if (i % kGroup == 0)
@@ -563,7 +571,7 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
       if constexpr (B1 != 0) {
         for (int u = 0; u < kWide; ++u)
           for (int v = 0; v < B1; ++v)
-            hi[u][v] = Gather4(w.p1 + (run * kRows1 + 4 * v) * w.pn + c + u * kLanes - w.pc, w.pn);
+            hi[u][v] = CopiedQuad(w, w.p1, run * kRows1 + 4 * v, c + u * kLanes);
       }
       UVec bytes[kWide][B0];
       IVec acc[kWide];
@@ -576,8 +584,7 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
 #pragma GCC unroll 4
         for (int u = 0; u < kWide; ++u) {
           if (f == 0)
-            bytes[u][j / 4] =
-                Gather4(w.p0 + (run * kRows0 + j) * w.pn + c + u * kLanes - w.pc, w.pn);
+            bytes[u][j / 4] = CopiedQuad(w, w.p0, run * kRows0 + j, c + u * kLanes);
           UVec q = FieldBytes(bytes[u][j / 4], f * B0, B0);
           if constexpr (B1 != 0)
             q |= FieldBytes(hi[u][(i % kRows1) / 4], (i / kRows1) * B1, B1) << B0;
@@ -897,7 +904,10 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   // every plane row before the next line of any: from memory, too many streams
   // for the hardware prefetchers (a 49,152-column LM head ran at a third of its
   // speed from cache). It reads a copy of the block's plane rows instead, made
-  // one row after another, which also serves every pass after the first.
+  // four rows at a time along the block, which also serves every pass after
+  // the first. The copy holds each four rows transposed as Gather4 gives them,
+  // so a pass loads each lane's four codes at once: with 16 rows of x (two
+  // passes) the transposes are done once, not twice.
   Problem copy;
   const Problem* q = &p;
   if (p.xq && vector_end > col) {
@@ -905,10 +915,15 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
     const int64_t width = vector_end - col;
     const int64_t rows0 = p.w.k * p.w.b0 / 8, rows1 = p.w.k * p.w.b1 / 8;
     panel.resize(static_cast<size_t>((rows0 + rows1) * width));
-    for (int64_t r = 0; r < rows0; ++r)
-      std::memcpy(panel.data() + r * width, p.w.p0 + r * p.w.n + col, width);
-    for (int64_t r = 0; r < rows1; ++r)
-      std::memcpy(panel.data() + (rows0 + r) * width, p.w.p1 + r * p.w.n + col, width);
+    const auto transpose = [&](const uint8_t* plane, int64_t rows, uint8_t* dst) {
+      for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t c = col; c < vector_end; c += kLanes) {
+          const UVec v = Gather4(plane + r * p.w.n + c, p.w.n);
+          std::memcpy(dst + (r / 4 * width + (c - col)) * 4, &v, sizeof v);
+        }
+    };
+    transpose(p.w.p0, rows0, panel.data());
+    transpose(p.w.p1, rows1, panel.data() + rows0 * width);
     copy = p;
     copy.w.p0 = panel.data();
     copy.w.p1 = panel.data() + rows0 * width;
