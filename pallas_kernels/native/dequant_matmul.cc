@@ -32,7 +32,8 @@
 // activation codes) adds 64 products where the float loop adds 16 (PassQ8).
 // Each group's integer sums (a half run for k-quants, else a run) are scaled
 // once per group and row. A work item first copies its block of plane rows,
-// one row after another, and the passes read the copy.
+// four rows at a time, transposed as the passes read them, and the passes
+// read the copy.
 //
 // The weight may be a stack of layers ([layers, ...] on every array) with the
 // layer chosen by an operand, so that the decoder's layer scan passes the
