@@ -103,6 +103,10 @@ class EngineConfig:
     "all" compiles every shape before serving (the slowest start; no step ever waits for a
     compile); "none" compiles nothing ahead, each shape when a step first needs it (the fastest
     start, for short jobs that run few shapes; the first steps of each shape wait).
+    async_scheduling dispatches the next decode call while the current one runs, its input
+    tokens fed on the device, wherever the next call does not depend on the host's work on
+    this one's tokens (``runtime.engine.scheduler.Scheduler.schedule_ahead``); off, each call
+    is scheduled after the one before it returns.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -136,6 +140,7 @@ class EngineConfig:
     num_experts_offload_per_rank: int = 0
     limit_mm_per_prompt: int = MAX_IMAGES_PER_PROMPT
     precompile: str = "first"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_id:

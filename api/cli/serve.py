@@ -438,6 +438,14 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "requests) (default: %(default)s)",
     )
     add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="dispatch the next decode call while the current one runs, its input tokens fed "
+        "on the device, so the host's turn between calls overlaps the device's work "
+        "(requests with logprobs, penalties or a grammar still wait for each token; default: on)",
+    )
+    add(
         "--seed",
         type=int,
         default=0,
@@ -758,6 +766,7 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
         precompile=args.precompile,
+        async_scheduling=args.async_scheduling,
         isq=args.isq,
         kv_cache_dtype=args.kv_cache_dtype,
         matmul_dtype=args.matmul_dtype,

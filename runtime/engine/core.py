@@ -3,8 +3,10 @@
 1. ``generate`` validates the prompt, wraps it in a ``Sequence`` and posts it to the loop thread's
    inbox; it returns an async iterator bound to the caller's event loop.
 2. The loop thread drains the inbox (new sequences, aborts), then runs ``step``: the scheduler picks
-   the work, the runner pads it to a bucket and calls the jitted step, the scheduler applies the
-   sampled tokens (stops, finishes, frees pages).
+   the work, the runner pads it to a bucket and dispatches the jitted step, the scheduler applies
+   the sampled tokens (stops, finishes, frees pages). With async scheduling, while a decode call
+   runs the next one is dispatched already (``Scheduler.schedule_ahead``: its input tokens are
+   fed on the device), so the host's turn between calls overlaps the device's work.
 3. Each changed sequence's new token goes to its stream with ``call_soon_threadsafe``; the iterator
    detokenizes incrementally, applies stop strings (``runtime.text.stop_strings``: a match ends
    the sequence) and yields ``GenerationDelta``s of finished text. Leaving it early aborts.
@@ -28,7 +30,7 @@ from jax_llm_runtime.runtime.engine.compiled_shapes import CompiledShapes, relea
 from jax_llm_runtime.runtime.engine.embedder import EmbeddingRunner, ForwardJob, Pooling
 from jax_llm_runtime.runtime.engine.grammar import GrammarCompiler, GrammarMatcher
 from jax_llm_runtime.runtime.engine.interface import EngineOverloadedError
-from jax_llm_runtime.runtime.engine.model_runner import ModelRunner, StepResult
+from jax_llm_runtime.runtime.engine.model_runner import InFlight, ModelRunner, StepResult
 from jax_llm_runtime.runtime.engine.request import (
     FinishReason,
     GenerationDelta,
@@ -40,7 +42,7 @@ from jax_llm_runtime.runtime.engine.request import (
     check_context,
 )
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
-from jax_llm_runtime.runtime.engine.sequence import Sequence
+from jax_llm_runtime.runtime.engine.sequence import Sequence, SequenceStatus
 from jax_llm_runtime.runtime.engine.stats import EngineStats
 from jax_llm_runtime.runtime.multimodal.inputs import ImageInput, SequenceImages
 from jax_llm_runtime.runtime.multimodal.processor import ImageProcessor
@@ -73,8 +75,13 @@ class Engine:
         embedder: EmbeddingRunner | None = None,
         max_waiting: int = 0,
         precompile: str = "first",
+        async_scheduling: bool = True,
     ) -> None:
         self.runner = runner
+        # Dispatch the next decode call before reading the running one's tokens (vLLM's
+        # --async-scheduling); ``_ahead`` is that call, dispatched and not yet applied.
+        self.async_scheduling = async_scheduling
+        self._ahead: InFlight | None = None
         self.precompile = precompile  # when the step shapes compile (EngineConfig.precompile)
         # Each kernel's implementation, {kernel: implementation}, set by the builder
         # (pallas_kernels.selection); /metrics reports it.
@@ -377,7 +384,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and self._ahead is None:
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -393,20 +400,59 @@ class Engine:
                 self._send(request_id, StepOutput([], FinishReason.ABORT))
 
     def step(self) -> None:
-        """One engine step: schedule, run the jitted step, apply and publish the results."""
-        batch = self.scheduler.schedule()
+        """One engine step: schedule (or take the call scheduled ahead), run the jitted step,
+        apply and publish the results. With async scheduling the next decode call is
+        dispatched before this one's tokens are read, so that this turn of the host overlaps
+        the device's work on it."""
+        call, self._ahead = self._ahead, None
+        if call is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            call = self._dispatch(batch)
+        if call is not None:
+            ahead = self._dispatch_ahead(call)
+            try:
+                result = self.runner.collect(call)
+            except Exception as exc:
+                self._isolate_failure(call.batch, exc)  # the call ahead ran on its tokens
+            else:
+                self._publish(call.batch, result)
+                self._ahead = ahead
+        self.num_steps += 1
+
+    def _dispatch(self, batch: ScheduledBatch) -> InFlight | None:
+        """Start ``batch`` on the device; None when it raised (its requests isolated)."""
+        self._fill_fresh_pages()
+        try:
+            return self.runner.dispatch(batch)
+        except Exception as exc:
+            self._isolate_failure(batch, exc)
+            return None
+
+    def _dispatch_ahead(self, call: InFlight) -> InFlight | None:
+        """The decode call after ``call``, dispatched now where the scheduler can tell it
+        without ``call``'s tokens (``Scheduler.schedule_ahead``); not on a multi-node leader,
+        whose followers replay host inputs."""
+        if not self.async_scheduling or self.runner.mirror is not None:
+            return None
+        batch = self.scheduler.schedule_ahead(call.batch, call.steps)
         if batch is None:
-            return
+            return None
+        self._fill_fresh_pages()
+        try:
+            return self.runner.dispatch(batch, fed=call)
+        except Exception:
+            if self.runner.cache_lost():
+                raise
+            # Its sequences keep the pages it reserved and decode in the next scheduled step.
+            logger.exception("a decode call scheduled ahead did not start")
+            return None
+
+    def _fill_fresh_pages(self) -> None:
         fresh = self.scheduler.allocator.take_fresh()  # empty unless --debug-fill-freed-pages
         if fresh:
             self.runner.fill_pages(fresh)
-        try:
-            result = self.runner.run(batch)
-        except Exception as exc:
-            self._isolate_failure(batch, exc)
-        else:
-            self._publish(batch, result)
-        self.num_steps += 1
 
     def _publish(self, batch: ScheduledBatch, result: StepResult) -> None:
         before = {id(item.seq): len(item.seq.output_ids) for item in batch.items}
@@ -426,10 +472,12 @@ class Engine:
         if self.runner.cache_lost():
             raise exc
         logger.exception("a step of %d sequences failed", len(batch.items))
-        if len(batch.items) == 1:
-            self._fail(batch.items[0].seq)
+        # Sequences that finished since (in the call before one scheduled ahead) are done.
+        items = [i for i in batch.items if i.seq.status is SequenceStatus.RUNNING]
+        if len(items) == 1:
+            self._fail(items[0].seq)
             return
-        for item in batch.items:
+        for item in items:
             alone = ScheduledBatch(batch.kind, (item,))
             try:
                 result = self.runner.run(alone)

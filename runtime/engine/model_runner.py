@@ -58,6 +58,24 @@ class StepResult:
         return [] if entry is None else [entry]
 
 
+@dataclass
+class InFlight:
+    """A call dispatched to the device (``ModelRunner.dispatch``), its results not yet read."""
+
+    batch: ScheduledBatch
+    steps: int  # the steps it runs: batch.num_steps, or 1 where that bucket is not compiled
+    tokens: jax.Array | None  # [num_seqs, steps] of a multi-step call
+    out: SamplerOutput | None  # the sampler's output of a single step
+    wants_logprobs: bool
+
+    def last_tokens(self) -> jax.Array:
+        """Each row's last sampled token, [num_seqs] int32 on the device: the input of a call
+        scheduled ahead of this one."""
+        if self.out is not None:
+            return self.out.token_ids.astype(jnp.int32)
+        return self.tokens[:, -1]
+
+
 class ModelRunner:
     """Owns the weights and the KV cache on device and runs steps."""
 
@@ -168,26 +186,38 @@ class ModelRunner:
         return self._multi_step.lower(key[3], weights, cache, batch, meta)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """Run one call; return the tokens sampled for every scheduled sequence, in order.
+        """Run one call; return the tokens sampled for every scheduled sequence, in order."""
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: ScheduledBatch, fed: InFlight | None = None) -> InFlight:
+        """Start one call on the device and return without waiting for it (``collect`` waits).
 
         A multi-step batch runs ``batch.num_steps`` steps in one call once that bucket is
         compiled (or, with ``compile_on_demand``, compiling it now), else one step (the
-        scheduler takes however many tokens come back). Logprobs
-        are copied to the host only when a sequence that samples in this step asked.
+        scheduler takes however many tokens come back). A batch scheduled ahead
+        (``batch.fed_steps``) takes its input tokens from ``fed``, the call before it, on the
+        device.
         """
         if batch.state_copies:
             self.copy_state_slots(batch.state_copies)
         step_batch, meta = self._prepare(batch)
+        if fed is not None:
+            step_batch = step_batch.replace(tokens=fed.last_tokens())
         key = _key(step_batch, batch.num_steps)
         steps = batch.num_steps if self.compile_on_demand or key in self.compiled else 1
-        if steps > 1:
-            tokens, _ = self.execute(step_batch, meta, steps)
-            return StepResult(np.asarray(tokens)[: len(batch.items)].tolist())
-        _, out = self.execute(step_batch, meta, 1)
-        token_ids = np.asarray(out.token_ids)
-        result = StepResult([[t] for t in token_ids[: len(batch.items)].tolist()])
-        if np.any(meta.wants_logprobs):
-            result.logprobs = _host_logprobs(batch.items, out)
+        tokens, out = self.execute(step_batch, meta, steps)
+        wants_logprobs = steps == 1 and bool(np.any(meta.wants_logprobs))
+        return InFlight(batch, steps, tokens, out, wants_logprobs)
+
+    def collect(self, call: InFlight) -> StepResult:
+        """Wait for a dispatched call; the tokens sampled for every scheduled sequence, in
+        order, and the requested logprobs (copied to the host only when a sequence asked)."""
+        count = len(call.batch.items)
+        if call.out is None:
+            return StepResult(np.asarray(call.tokens)[:count].tolist())
+        result = StepResult([[t] for t in np.asarray(call.out.token_ids)[:count].tolist()])
+        if call.wants_logprobs:
+            result.logprobs = _host_logprobs(call.batch.items, call.out)
         return result
 
     def execute(
@@ -254,7 +284,8 @@ class ModelRunner:
         row = 0
         for s, item in enumerate(items):
             seq, end, rows = item.seq, item.start + item.length, slice(row, row + item.length)
-            tokens[rows] = seq.token_slice(item.start, end)
+            if not batch.fed_steps:  # else the call before this one gives them, on the device
+                tokens[rows] = seq.token_slice(item.start, end)
             positions[rows] = np.arange(item.start, end)
             seq_ids[rows] = s
             row += item.length
@@ -281,7 +312,7 @@ class ModelRunner:
             step_batch = step_batch.replace(rope_positions=_rope_positions(items, num_tokens))
         if self.images is not None and any(_reaches_images(item) for item in items):
             step_batch = self._image_rows(step_batch, items)
-        meta = _sampling_metadata(items, num_seqs, self.eos_token_ids)
+        meta = _sampling_metadata(items, num_seqs, self.eos_token_ids, batch.fed_steps)
         return step_batch, meta.replace(allowed=self._allowed(items, num_seqs))
 
     def _single_chunk(self, num_seqs: int, num_tokens: int) -> bool:
@@ -441,14 +472,19 @@ def _multi_step(
 
 
 def _sampling_metadata(
-    items: tuple[ScheduledSeq, ...], num_seqs: int, eos_token_ids: tuple[int, ...]
+    items: tuple[ScheduledSeq, ...],
+    num_seqs: int,
+    eos_token_ids: tuple[int, ...],
+    fed_steps: int = 0,
 ) -> SamplingMetadata:
-    """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias."""
+    """The sampling inputs of a step: padding rows are greedy with nothing to penalize or bias.
+    ``fed_steps``: the tokens each sequence gains in the call still running before this one
+    (a batch scheduled ahead, whose sequences need no per-token host work)."""
     meta = empty_sampling_metadata(num_seqs)
     for row, item in enumerate(items):
         seq, sp = item.seq, item.seq.sampling
         meta.temperature[row], meta.top_k[row], meta.top_p[row] = sp.temperature, sp.top_k, sp.top_p
-        meta.seeds[row], meta.output_index[row] = seq.seed, len(seq.output_ids)
+        meta.seeds[row], meta.output_index[row] = seq.seed, len(seq.output_ids) + fed_steps
         meta.min_p[row] = sp.min_p
         meta.presence_penalty[row] = sp.presence_penalty
         meta.frequency_penalty[row] = sp.frequency_penalty
@@ -461,7 +497,7 @@ def _sampling_metadata(
             )
             meta.num_output_in_history[row] = min(n, len(seq.output_ids))
         bias = [(t, -np.inf if b <= -100.0 else b) for t, b in sp.logit_bias]
-        if len(seq.output_ids) < sp.min_tokens:
+        if len(seq.output_ids) + fed_steps < sp.min_tokens:
             banned = sp.banned_until_min_tokens(eos_token_ids)
             bias += [(t, -np.inf) for t in banned]
         if bias:

@@ -84,6 +84,10 @@ class ScheduledBatch:
     # (source, destination) state slots to copy before the step runs: forks of n > 1 starting
     # from their parent's state (linear-attention models).
     state_copies: tuple[tuple[int, int], ...] = ()
+    # A decode batch scheduled ahead (``Scheduler.schedule_ahead``): the tokens each sequence
+    # gains in the call still running, not yet on the host; this call's input tokens are that
+    # call's last ones, fed on the device.
+    fed_steps: int = 0
 
 
 class Scheduler:
@@ -219,11 +223,11 @@ class Scheduler:
             return True
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
-    def _decode_steps(self, decodes: list[Sequence]) -> int:
+    def _decode_steps(self, decodes: list[Sequence], ahead: int = 0) -> int:
         """``decode_steps`` when nothing else waits, at most ``multi_step_seqs`` sequences
         decode, every sequence has room for that many more positions, none needs per-token host
-        work (logprobs, penalties, stop tokens banned until min_tokens) and the pages for all of
-        them are free without preempting; else 1."""
+        work (``_host_bound``) and the pages for all of them are free without preempting; else
+        1. ``ahead``: the tokens each sequence gains in a call still running."""
         k = self.decode_steps
         if k == 1 or self.waiting:
             return 1
@@ -231,19 +235,53 @@ class Scheduler:
             return 1
         needed = 0
         for seq in decodes:
-            sp = seq.sampling
-            # min_tokens bans tokens by a bias fixed for the whole call; with nothing to ban
-            # (ignore_eos and no stop_token_ids) nothing changes within it.
-            pending = len(seq.output_ids) < sp.min_tokens
-            if sp.logprobs is not None or sp.uses_penalties or seq.matcher is not None:
-                return 1
-            if pending and sp.banned_until_min_tokens(self.eos_token_ids):
+            if self._host_bound(seq, ahead):
                 return 1
             # Overshooting max_tokens only costs dropped tokens; positions must stay in range.
-            if self.max_model_len - seq.num_tokens + 1 < k:
+            if self.max_model_len - (seq.num_tokens + ahead) + 1 < k:
                 return 1
-            needed += self._pages_needed(seq, seq.num_tokens + k - 1)
+            needed += self._pages_needed(seq, seq.num_tokens + ahead + k - 1)
         return k if self.allocator.can_allocate(needed) else 1
+
+    def _host_bound(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether the sequence's next tokens need the host's work on the ones before them:
+        logprobs, penalties, a grammar, or stop tokens banned until min_tokens (by a bias fixed
+        for the whole call; with nothing to ban, ignore_eos and no stop_token_ids, nothing
+        changes within it)."""
+        sp = seq.sampling
+        if sp.logprobs is not None or sp.uses_penalties or seq.matcher is not None:
+            return True
+        pending = len(seq.output_ids) + ahead < sp.min_tokens
+        return pending and bool(sp.banned_until_min_tokens(self.eos_token_ids))
+
+    def schedule_ahead(self, batch: ScheduledBatch, steps: int) -> ScheduledBatch | None:
+        """The decode call that follows ``batch`` (a decode call still running, of ``steps``
+        steps), scheduled before its tokens reach the host, so that the host's turn between the
+        two overlaps the device's work: every sequence of ``batch`` decodes on, its input token
+        fed on the device. None when the next step must be scheduled from ``batch``'s results:
+        a sequence waits or prefills, one has left, one needs per-token host work, one reaches
+        the context's end, or the pages it needs are not free without preempting. A sequence
+        that finishes in ``batch`` wastes its row of the call ahead (its tokens are dropped;
+        its K/V go to positions past its end, in pages the device writes before any later step
+        can reuse them)."""
+        if batch.kind is not StepKind.DECODE or self.waiting or self._prefill_waits():
+            return None
+        seqs = [item.seq for item in batch.items]
+        if len(seqs) != len(self.running) or any(
+            s.status is not SequenceStatus.RUNNING
+            or self._host_bound(s, steps)
+            or s.num_tokens + steps >= self.max_model_len
+            for s in seqs
+        ):
+            return None
+        k = self._decode_steps(seqs, steps)
+        needed = [self._pages_needed(s, s.num_tokens + steps + k - 1) for s in seqs]
+        if not self.allocator.can_allocate(sum(needed)):
+            return None
+        for seq, count in zip(seqs, needed, strict=True):
+            seq.pages += self.allocator.allocate(count)
+        items = tuple(ScheduledSeq(i.seq, i.start + steps, 1) for i in batch.items)
+        return ScheduledBatch(StepKind.DECODE, items, k, fed_steps=steps)
 
     def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Apply a call's sampled tokens (one list per item: one token per step run); return the

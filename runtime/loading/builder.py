@@ -310,6 +310,7 @@ def _engine(
         embedder=embedder,
         max_waiting=config.max_waiting,
         precompile=config.precompile,
+        async_scheduling=config.async_scheduling,
     )
 
 
