@@ -260,13 +260,18 @@ class Scheduler:
         two overlaps the device's work: every sequence of ``batch`` decodes on, its input token
         fed on the device. None when the next step must be scheduled from ``batch``'s results:
         a sequence waits or prefills, one has left, one needs per-token host work, one reaches
-        the context's end, or the pages it needs are not free without preempting. A sequence
+        the context's end, or the pages it needs are not free without preempting; and when
+        every sequence reaches its ``max_tokens`` in ``batch``. A sequence
         that finishes in ``batch`` wastes its row of the call ahead (its tokens are dropped;
         its K/V go to positions past its end, in pages the device writes before any later step
         can reuse them)."""
         if batch.kind is not StepKind.DECODE or self.waiting or self._prefill_waits():
             return None
         seqs = [item.seq for item in batch.items]
+        # The last call of requests that all end by length in the running one would run for
+        # nothing, ahead of the next request's prompt.
+        if all(len(s.output_ids) + steps >= s.sampling.max_tokens for s in seqs):
+            return None
         if len(seqs) != len(self.running) or any(
             s.status is not SequenceStatus.RUNNING
             or self._host_bound(s, steps)

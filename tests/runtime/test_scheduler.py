@@ -481,3 +481,37 @@ def test_a_step_no_stream_waits_on_takes_the_prefill_only_budget():
     sched.add(b)
     step = sched.schedule()
     assert [(i.seq, i.length) for i in step.items] == [(a, 1), (b, 11)]
+
+
+def test_a_decode_call_is_scheduled_ahead_only_where_its_inputs_are_known_without_the_host():
+    sched, alloc = make(num_pages=8, page_size=4)
+    a, b = seq(3, max_tokens=6), seq(3, max_tokens=6)
+    sched.add(a)
+    sched.add(b)
+    run(sched, sched.schedule())  # both prompts, one token each
+    decode = sched.schedule()
+    assert decode.kind is StepKind.DECODE
+    free = alloc.num_free
+    ahead = sched.schedule_ahead(decode, 1)
+    # The same sequences, one past the running call's token, which is fed on the device; the
+    # page for position 4 (the second page) is reserved now.
+    assert ahead.fed_steps == 1 and ahead.num_steps == 1
+    assert [(i.seq, i.start, i.length) for i in ahead.items] == [(a, 4, 1), (b, 4, 1)]
+    assert alloc.num_free == free - 2
+    run(sched, decode)
+    run(sched, ahead)
+    assert a.output_ids == [7, 7, 7] and a.num_computed == 5
+    # A waiting prompt, a sequence that needs the host's work on each token, or requests that
+    # all end by length in the running call: nothing ahead.
+    decode = sched.schedule()
+    assert sched.schedule_ahead(decode, 3) is None  # 3 + 3 tokens: both reach max_tokens 6
+    c = seq(3)
+    sched.add(c)
+    assert sched.schedule_ahead(decode, 1) is None
+    sched.abort(c.request_id)
+    assert sched.schedule_ahead(decode, 1) is not None
+    logprobs = seq(3, max_tokens=6, logprobs=2)
+    sched.abort(b.request_id)
+    sched.add(logprobs)
+    run(sched, sched.schedule())
+    assert sched.schedule_ahead(sched.schedule(), 1) is None
