@@ -13,7 +13,7 @@ from typing import Any
 
 from jax_llm_runtime.runtime.engine.core import Engine
 from jax_llm_runtime.runtime.engine.mock import EOS_ID, VOCAB_SIZE, MockTokenizer
-from jax_llm_runtime.runtime.engine.model_runner import StepResult
+from jax_llm_runtime.runtime.engine.model_runner import InFlight, StepResult
 from jax_llm_runtime.runtime.engine.page_allocator import PageAllocator
 from jax_llm_runtime.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from jax_llm_runtime.runtime.text.tokenizer import IncrementalDecoder
@@ -47,6 +47,7 @@ class StubRunner:
 
     vocab_size = VOCAB_SIZE
     images = None  # a text-only model: no image encoder
+    mirror = None  # not a multi-node leader
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
@@ -63,6 +64,14 @@ class StubRunner:
 
     def startup_shapes(self) -> tuple[list[Any], list[Any]]:
         return [], []
+
+    def dispatch(self, batch: ScheduledBatch, fed: InFlight | None = None) -> InFlight:
+        """Runs nothing yet: ``collect`` runs the batch, so a call scheduled ahead sees the
+        tokens of the call before it, as on the device."""
+        return InFlight(batch, batch.num_steps, None, None, False)
+
+    def collect(self, call: InFlight) -> StepResult:
+        return self.run(call.batch)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         if not self.gate.wait(timeout=30):
