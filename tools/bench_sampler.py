@@ -1,7 +1,7 @@
 """The on-device sampler's time per step, against a sort-based formulation of the same filters.
 
-``runtime.engine.sampler.sample`` reads the top-k / top-p cut from each row's largest weights (or
-bisects for it) and draws in one pass over the row; the peer sorts each row of logits
+``runtime.engine.sampler.sample`` finds the top-k / top-p / min-p cut and the draw by bisection over
+the row's weights; the peer sorts each row of logits
 (``argsort``) and filters the sorted prefix, which is how the sampler worked before. Both run
 jitted on the default backend in the same process, interleaved round by round, on random
 logits of the real vocabulary size (``--logits random``: so flat that a top_p nucleus holds

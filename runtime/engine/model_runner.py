@@ -67,13 +67,16 @@ class InFlight:
     tokens: jax.Array | None  # [num_seqs, steps] of a multi-step call
     out: SamplerOutput | None  # the sampler's output of a single step
     wants_logprobs: bool
+    # A multi-step call's last column, [num_seqs], returned by the compiled call itself (an
+    # index taken here would compile on first use, while serving).
+    last: jax.Array | None = None
 
     def last_tokens(self) -> jax.Array:
         """Each row's last sampled token, [num_seqs] int32 on the device: the input of a call
         scheduled ahead of this one."""
         if self.out is not None:
-            return self.out.token_ids.astype(jnp.int32)
-        return self.tokens[:, -1]
+            return self.out.token_ids  # int32
+        return self.last
 
 
 class ModelRunner:
@@ -207,7 +210,10 @@ class ModelRunner:
         steps = batch.num_steps if self.compile_on_demand or key in self.compiled else 1
         tokens, out = self.execute(step_batch, meta, steps)
         wants_logprobs = steps == 1 and bool(np.any(meta.wants_logprobs))
-        return InFlight(batch, steps, tokens, out, wants_logprobs)
+        last = None
+        if tokens is not None:
+            tokens, last = tokens
+        return InFlight(batch, steps, tokens, out, wants_logprobs, last)
 
     def collect(self, call: InFlight) -> StepResult:
         """Wait for a dispatched call; the tokens sampled for every scheduled sequence, in
@@ -222,9 +228,10 @@ class ModelRunner:
 
     def execute(
         self, step_batch: StepBatch, meta: SamplingMetadata, steps: int
-    ) -> tuple[jax.Array, SamplerOutput | None]:
+    ) -> tuple[Any, SamplerOutput | None]:
         """The device part of ``run``: ``steps`` steps of the compiled bucket on prepared inputs;
-        (tokens [num_seqs, steps] of a multi-step call, None) or (None, the sampler's output).
+        ((tokens [num_seqs, steps], their last column) of a multi-step call, None) or (None,
+        the sampler's output).
         ``mirror`` (multi-node) sees the call first; a ``None`` grammar mask means all-ones."""
         if self.mirror is not None:
             shared = meta if isinstance(meta.allowed, np.ndarray) else meta.replace(allowed=None)
@@ -449,7 +456,7 @@ def _multi_step(
     cache: KVCache,
     batch: StepBatch,
     meta: SamplingMetadata,
-) -> tuple[jax.Array, KVCache]:  # tokens [num_seqs, num_steps] int32
+) -> tuple[tuple[jax.Array, jax.Array], KVCache]:  # ([num_seqs, num_steps], [num_seqs]) int32
     """``num_steps`` decode steps in one call, each feeding its sampled tokens to the next."""
 
     def one(carry: tuple[KVCache, StepBatch, SamplingMetadata], _: None):
@@ -468,7 +475,7 @@ def _multi_step(
         return (cache, batch, meta), tokens
 
     (cache, _, _), tokens = jax.lax.scan(one, (cache, batch, meta), None, length=num_steps)
-    return _replicate(tokens.T, replicated), cache
+    return _replicate((tokens.T, tokens[-1]), replicated), cache
 
 
 def _sampling_metadata(

@@ -106,7 +106,7 @@ def test_calls_scheduled_ahead_give_the_tokens_of_calls_one_after_the_other(mode
     assert not none  # with async scheduling off, nothing is scheduled ahead
     ahead = [a for a in aheads if a is not None]
     # Calls of one step (more sequences than multi-step takes) and of four ran ahead.
-    assert len(ahead) >= 10
+    assert len(ahead) >= 5
     assert {a.num_steps for a in ahead} == {1, 4}
     assert ours == expected
     requests = _requests()

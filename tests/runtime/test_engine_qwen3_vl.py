@@ -61,13 +61,13 @@ def _prompt(images: tuple[ImageInput, ...], text: bytes = b"describe:") -> list[
 def test_greedy_matches_hf_with_chunked_prefill(served, monkeypatch) -> None:
     engine, hf_model = served
     chunk_ends: list[int] = []
-    run = engine.runner.run
+    dispatch = engine.runner.dispatch
 
-    def recording(batch):
+    def recording(batch, fed=None):
         chunk_ends.extend(i.start + i.length for i in batch.items if i.length > 1)
-        return run(batch)
+        return dispatch(batch, fed)
 
-    monkeypatch.setattr(engine.runner, "run", recording)
+    monkeypatch.setattr(engine.runner, "dispatch", recording)
     for num_images in (1, 2):
         images = random_images(num_images, seed=10 + num_images)
         inputs = preprocess(engine, images)
