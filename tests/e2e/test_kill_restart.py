@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.models.harness import TINY, save_random_model
-from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+from tests.models.harness import save_tiny_byte_llama
 from tests.serve_process import launched_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -26,13 +25,8 @@ ENGINE = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "256",
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
-
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(**{**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256})
-    config.eos_token_id = None
-    save_random_model(config, folder)
-    save_byte_tokenizer(folder)
+    save_tiny_byte_llama(folder)
     return folder
 
 

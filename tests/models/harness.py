@@ -59,6 +59,20 @@ def save_random_model(hf_config: Any, folder: Path, seed: int = 0) -> Any:
     return model
 
 
+def save_tiny_byte_llama(folder: Path) -> Any:
+    """Save a ``TINY`` random Llama over the byte tokenizer in ``folder``, with no EOS (so every
+    request runs to its ``max_tokens``); return the HF model."""
+    from transformers import LlamaConfig
+
+    from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+
+    config = LlamaConfig(**{**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256})
+    config.eos_token_id = None
+    hf_model = save_random_model(config, folder)
+    save_byte_tokenizer(folder)
+    return hf_model
+
+
 def load_ours(folder: Path) -> Loaded:
     return load_checkpoint(load_hf_checkpoint(folder))
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from jax_llm_runtime.runtime.engine.request import SamplingParams
-from tests.models.harness import TINY, save_random_model
-from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+from tests.models.harness import save_tiny_byte_llama
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +20,8 @@ NEW_TOKENS = 14  # not a multiple of the 4 steps per call: the last call oversho
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import LlamaConfig
-
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(**{**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256})
-    config.eos_token_id = None
-    hf_model = save_random_model(config, folder)
-    save_byte_tokenizer(folder)
-    return folder, hf_model
+    return folder, save_tiny_byte_llama(folder)
 
 
 def _run(folder: Path, decode_steps: int, sampling: SamplingParams) -> tuple[list, int]:

@@ -10,21 +10,15 @@ from pathlib import Path
 import pytest
 
 from jax_llm_runtime.runtime.engine.request import SamplingParams
-from tests.models.harness import TINY, save_random_model
-from tests.models.tiny_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+from tests.models.harness import save_tiny_byte_llama
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
-
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(**{**TINY, "vocab_size": VOCAB_SIZE, "bos_token_id": 256})
-    config.eos_token_id = None
-    save_random_model(config, folder)
-    save_byte_tokenizer(folder)
+    save_tiny_byte_llama(folder)
     return folder
 
 
