@@ -1,8 +1,10 @@
 """Turns a scheduled batch into one call of the jitted step, padded to a compiled bucket.
 
-The step (model forward + on-device sampling) is one ``jax.jit`` function; the KV cache is donated
-to it and comes back updated in place. Every bucket shape is compiled ahead of time: short-context
-buckets in ``warmup``, the rest on a background thread right after (see ``CompiledShapes``).
+A single step is two ``jax.jit`` functions: the model forward, which returns each sequence's
+logits (the KV cache is donated to it and comes back updated in place), and the sampler, compiled
+once per count of rows rather than once per step shape. A multi-step decode call is one function
+that samples inside its scan. Every shape is compiled ahead of time: short-context buckets in
+``warmup``, the rest on a background thread right after (see ``CompiledShapes``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class ModelRunner:
         self._step = jax.jit(
             functools.partial(_step, forward, config, replicated), donate_argnums=(1,)
         )
+        self._sample = jax.jit(functools.partial(_sample, replicated))
         self._multi_step = jax.jit(
             functools.partial(_multi_step, forward, config, replicated),
             static_argnums=(0,),
@@ -147,14 +150,16 @@ class ModelRunner:
         # Multi-node (runtime.parallel.multihost): sees each device call before it runs, on process 0.
         self.mirror: Callable[..., None] | None = None
 
-    def startup_shapes(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    def startup_shapes(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         """(compile before serving, compile in the background), as (num_tokens, num_seqs,
-        pages, steps) keys. Before serving: what a lone request at a short context runs (its
-        prompt chunks and its decode, one sequence, single steps), so that a start is ready
-        as soon as one request can be served (13 shapes became 5 for SmolLM2 on CPU: 12.3 s
-        to 9 s of a warm start). Then in the background from short contexts to long, each
-        context's single steps before its multi-step decode; a batch that needs a shape not
-        compiled yet compiles it then (``CompiledShapes.get``), once.
+        pages, steps) keys of steps and ``(SAMPLER, rows)`` keys of the sampler. Before
+        serving: what a lone request at a short context runs (its prompt chunks and its decode,
+        one sequence, single steps, and the sampler of one row), so that a start is ready as
+        soon as one request can be served (13 shapes became 5 for SmolLM2 on CPU: 12.3 s to 9 s
+        of a warm start). Then in the background the sampler's other row counts, and the steps
+        from short contexts to long, each context's single steps before its multi-step decode;
+        a batch that needs a shape not compiled yet compiles it then (``CompiledShapes.get``),
+        once.
 
         Shapes are lowered from abstract values, so nothing runs: a bucket of 8192 prompt tokens
         costs its compile time only.
@@ -171,11 +176,16 @@ class ModelRunner:
             decode = set(self.plan.decode_shapes())
             shapes += [(*s, 1, IMAGES) for s in self.plan.shapes() if s not in decode]
         rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[2], s[3], s[1], s[0]))
-        return first, rest
+        rows = sorted({s[1] for s in shapes if s[3] == 1})
+        return [*first, (SAMPLER, 1)], [(SAMPLER, n) for n in rows if n != 1] + rest
 
     def _lower(self, key: tuple[Any, ...]) -> Any:
         """A step of ``(num_tokens, num_seqs, pages, steps)``, ``IMAGES`` last for a step that
-        prefills image tokens."""
+        prefills image tokens; or the sampler of ``(SAMPLER, rows)``."""
+        if key[0] == SAMPLER:
+            logits = jax.ShapeDtypeStruct((key[1], self.vocab_size), jnp.float32)
+            meta = empty_sampling_metadata(key[1], self.vocab_size)
+            return self._sample.lower(*host_inputs((logits, meta), self.input_sharding))
         single = self._single_chunk(key[1], key[0])
         batch, meta = _empty_inputs(*key[:3], self.vocab_size, single)
         if self.mrope:
@@ -185,7 +195,7 @@ class ModelRunner:
         batch, meta = host_inputs((batch, meta), self.input_sharding)
         weights, cache = placed(self.weights), placed(self.cache)
         if key[3] == 1:
-            return self._step.lower(weights, cache, batch, meta)
+            return self._step.lower(weights, cache, batch)
         return self._multi_step.lower(key[3], weights, cache, batch, meta)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -242,8 +252,8 @@ class ModelRunner:
         if steps > 1:
             tokens, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
             return tokens, None
-        out, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch, meta)
-        return None, out
+        logits, self.cache = self.compiled.get(key)(self.weights, self.cache, step_batch)
+        return None, self.compiled.get((SAMPLER, step_batch.num_seqs))(logits, meta)
 
     def cache_lost(self) -> bool:
         """True when a failed step had already consumed the donated KV cache: no sequence can
@@ -437,10 +447,14 @@ def _step(
     weights: Any,
     cache: KVCache,
     batch: StepBatch,
-    meta: SamplingMetadata,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, KVCache]:  # logits [num_seqs, vocab] float32
+    """One step's forward: the logits the sampler (``_sample``, compiled on its own) takes."""
     logits, cache = forward(config, weights, cache, batch)
-    return _replicate(sample(logits, meta), replicated), cache
+    return _replicate(logits.astype(jnp.float32), replicated), cache
+
+
+def _sample(replicated: Any, logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+    return _replicate(sample(logits, meta), replicated)
 
 
 def _replicate(tree: Any, sharding: Any) -> Any:
@@ -534,6 +548,7 @@ def _shape(batch: StepBatch) -> tuple[int, int, int]:
 
 
 IMAGES = "images"  # the last element of the compiled key of a step that prefills image tokens
+SAMPLER = "sampler"  # the first element of the compiled key of the sampler, (SAMPLER, rows)
 
 
 def _key(batch: StepBatch, steps: int) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jax_llm_runtime.runtime.config import EngineConfig
-from jax_llm_runtime.runtime.engine.model_runner import _empty_inputs
+from jax_llm_runtime.runtime.engine.model_runner import SAMPLER, _empty_inputs
 from jax_llm_runtime.runtime.loading.builder import build_engine
 from jax_llm_runtime.runtime.parallel.sharding import replicated_sharding
 
@@ -43,16 +43,23 @@ def check(folder: str, size: int) -> dict:
     mismatches, failures = [], []
     for key in keys:
         compiled = runner.compiled.get(key)
-        batch, meta = _empty_inputs(*key[:3], runner.vocab_size)
-        # The compiled arguments are (weights, cache, batch, meta), less the leaves the step
-        # never reads; a multi-step call's count of steps is static and not among them.
+        # The compiled arguments are (weights, cache, batch, meta) of a multi-step call,
+        # (weights, cache, batch) of a step and (logits, meta) of the sampler, less the leaves
+        # each never reads; a multi-step call's count of steps is static and not among them.
         args, _ = compiled.input_shardings
-        for where, want in zip(("batch", "meta"), args[-2:], strict=True):
+        if key[0] == SAMPLER:
+            inputs = {"logits": args[0], "meta": args[1]}
+        else:
+            inputs = dict(zip(("batch", "meta"), args[2:], strict=False))
+        for where, want in inputs.items():
             for path, sharding in jax.tree_util.tree_leaves_with_path(want):
                 if expected is None:
                     continue  # one device: every input goes to it
                 if not sharding.is_fully_replicated or sharding.device_set != expected.device_set:
                     mismatches.append(f"{key} {where}{jax.tree_util.keystr(path)}: {sharding}")
+        if key[0] == SAMPLER:
+            continue  # every step below runs the sampler of its rows
+        batch, meta = _empty_inputs(*key[:3], runner.vocab_size)
         for allowed in (None, np.full(meta.allowed.shape, -1, np.int32)):
             try:
                 runner.execute(batch, meta.replace(allowed=allowed), key[3])

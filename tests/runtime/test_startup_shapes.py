@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_llm_runtime.runtime.engine.model_runner import SAMPLER
 from jax_llm_runtime.runtime.engine.request import SamplingParams
 from tests.models.harness import save_tiny_byte_llama
 
@@ -53,9 +54,21 @@ def _greedy(engine, text: str, max_tokens: int) -> list[int]:
     return asyncio.run(one())
 
 
+def _steps(keys: list[tuple]) -> list[tuple]:
+    return [key for key in keys if key[0] != SAMPLER]
+
+
 def test_ready_with_one_requests_shapes_and_the_rest_in_order(engine) -> None:
     runner = engine.runner
     first, rest = runner.startup_shapes()
+    # The sampler compiles once per count of rows: one row before serving, the others first
+    # in the background (every step of that many rows needs it).
+    assert [k for k in first if k[0] == SAMPLER] == [(SAMPLER, 1)]
+    samplers = [k for k in rest if k[0] == SAMPLER]
+    assert rest[: len(samplers)] == samplers
+    rows = {s[1] for s in runner.plan.shapes()}
+    assert sorted(n for _, n in samplers) == sorted(rows - {1})
+    first, rest = _steps(first), _steps(rest)
     shortest = runner.plan.pages[0]
     lone = sorted(s for s in runner.plan.shapes() if s[1] == 1 and s[2] == shortest)
     assert sorted(first) == [(*s, 1) for s in lone]
@@ -92,8 +105,9 @@ def test_a_lone_request_is_served_by_the_startup_shapes(engine) -> None:
         return tokens
 
     assert len(asyncio.run(one())) == 6
-    single = [key for key in requested if key[3] == 1]
+    single = [key for key in requested if key[0] == SAMPLER or key[3] == 1]
     assert single and all(key in first for key in single), (single, first)
+    assert (SAMPLER, 1) in single
 
 
 def test_precompile_none_compiles_each_shape_when_a_step_needs_it(engine, folder: Path) -> None:
@@ -107,9 +121,11 @@ def test_precompile_none_compiles_each_shape_when_a_step_needs_it(engine, folder
         tokens = _greedy(lazy, "a short prompt", 10)
         assert tokens == _greedy(engine, "a short prompt", 10)
         _, rest = lazy.runner.startup_shapes()
-        multi = [key for key in rest if key[3] > 1]
+        multi = [key for key in _steps(rest) if key[3] > 1]
         assert any(key in lazy.runner.compiled for key in multi), "a multi-step decode ran"
-        assert 0 < len(lazy.runner.compiled) <= 4  # a prompt chunk and the decode shapes
+        # a prompt chunk, the decode shapes, and the sampler of one row
+        assert (SAMPLER, 1) in lazy.runner.compiled
+        assert 0 < len(lazy.runner.compiled) <= 5
     finally:
         lazy.shutdown()
 
