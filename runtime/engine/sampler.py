@@ -177,15 +177,27 @@ def _with_logprobs(processed: jax.Array, tokens: jax.Array, wants: jax.Array) ->
     return SamplerOutput(tokens, chosen, top_ids, top_values)
 
 
+# Top-k and top-p cuts are read from each row's largest weights (``lax.top_k``): first this
+# many, over all rows; then, row by row for the rows whose cut lies deeper, the second count; a
+# row whose cut lies deeper still (a top-k above it, or a top-p nucleus wider than it) is
+# searched by bisection. On a 2-core CPU, for 16 rows of 49,152: 1.4 ms and 7.6 ms, against
+# 17 ms for a bisection; a row alone takes about a sixteenth. With
+# SmolLM2-135M writing a story, 0.4% of rows had a top_p 0.95 nucleus wider than 64 tokens at
+# temperature 0.7, and 0.7% one wider than 1,024 at temperature 1.
+CUT_CANDIDATES = (64, 1024)
+# The draw sums the kept weights in blocks of this many columns (see ``_draw``).
+DRAW_BLOCK = 128
+
+
 def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Temperature, then top-k, top-p and min-p, then one draw; no sort over the vocabulary.
 
     Each row's weights ``w = exp(scaled - max)`` lie in (0, 1], so every filter is a threshold
-    on them: a token is kept when ``w >= cut``. The cut for top-k and top-p, and the draw, are
-    found by bisection over the float values (``_largest``); each pass reads the row once and
-    the answer is one of the row's own values, exactly as a sort would give it (tokens with equal
-    weights are kept or dropped together, and share the draw evenly). A sort of [16, 49152]
-    took 175 ms on a 2-core CPU; the bisections (top-k, top-p, the draw) take a few.
+    on them: a token is kept when ``w >= cut``, and tokens with equal weights are kept or
+    dropped together. The cut for top-k and top-p is one of the row's own values, as a sort
+    would give it: read from the row's ``CUT_CANDIDATES`` largest weights when it lies among
+    them, else found by bisection over the float values (``_largest``). The draw then takes
+    one pass over the row (``_draw``). A sort of [16, 49152] took 175 ms on a 2-core CPU.
     """
     num_seqs, vocab = logits.shape
     temperature = jnp.where(meta.temperature > 0.0, meta.temperature, 1.0)
@@ -193,44 +205,150 @@ def _sample_filtered(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     # the same w, in (0, 1] with the most likely exactly 1.0. XLA:CPU's vectorized exp is not
     # exact at 0 (exp(0) came out as 0.9999995 or 1.0000002), and XLA may recompute an
     # elementwise value inside each consumer's fusion, where the copies can differ in the last
-    # bits (seen on a mesh, the vocabulary split): a drawn value then matched no token. So the
-    # top is set to 1.0, the rest capped at it, and the barriers make each one array.
+    # bits (seen on a mesh, the vocabulary split): a cut then matched no token. So the top is
+    # set to 1.0, the rest capped at it, and the barriers make each one array.
     scaled = jax.lax.optimization_barrier(logits / temperature[:, None])
     top = jnp.max(scaled, axis=-1, keepdims=True)
     w = jnp.where(scaled == top, 1.0, jnp.minimum(jnp.exp(scaled - top), 1.0))
     w = jax.lax.optimization_barrier(w)
     top_k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
-    # top-k, then top-p over what top-k kept, renormalized (as vLLM, HF and llama.cpp chain
-    # them): each keeps a prefix of the sorted row, so each is the largest cut that still keeps
-    # k tokens, or still reaches top_p of the top-k mass.
     zeros = jnp.zeros(num_seqs)
+    cut = jax.lax.cond(
+        jnp.any(top_k < vocab) | jnp.any(meta.top_p < 1.0),
+        lambda: _cuts(w, top_k, meta.top_p),
+        lambda: zeros,
+    )
+    cut = jnp.maximum(cut, meta.min_p)  # min-p: w >= min_p * 1.0
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
+        meta.seeds, meta.output_index
+    )
+    return _draw(jnp.where(w >= cut[:, None], w, 0.0), jax.vmap(jax.random.uniform)(keys))
+
+
+def _cuts(w: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:  # [num_seqs] float32
+    """Per row, the weight at which top-k, then top-p over what top-k kept (renormalized, as
+    vLLM, HF and llama.cpp chain them), cut the row: each keeps a prefix of the sorted row, so
+    each is the largest cut that still keeps ``top_k`` tokens, or still reaches ``top_p`` of
+    the top-k mass. A row's cut is read from its largest weights (``CUT_CANDIDATES``, the
+    fewest that hold it), else bisected (``_largest``). Past the first count, each row that
+    needs it is searched alone: one wide nucleus among 16 rows costs one row's search, not
+    sixteen, and a row's cut never depends on the other rows."""
+    num_seqs = w.shape[0]
+    top_k, top_p = jnp.asarray(top_k), jnp.asarray(top_p)
+    cut, found = _cut_from_largest(w, top_k, top_p, CUT_CANDIDATES[0])
+
+    def search_row(i: jax.Array, cut: jax.Array) -> jax.Array:
+        row = jax.lax.dynamic_slice_in_dim(w, i, 1)  # [1, vocab]
+        k, p = top_k[i][None], top_p[i][None]
+        row_cut, row_found = jnp.zeros(1), jnp.zeros(1, bool)
+        for count in CUT_CANDIDATES[1:]:
+
+            def deeper(c=row_cut, f=row_found, count=count) -> tuple[jax.Array, jax.Array]:
+                more, more_found = _cut_from_largest(row, k, p, count)
+                return jnp.where(f, c, more), f | more_found
+
+            row_cut, row_found = jax.lax.cond(
+                row_found[0], lambda c=row_cut, f=row_found: (c, f), deeper
+            )
+        row_cut = jax.lax.cond(row_found[0], lambda: row_cut, lambda: _bisected_cut(row, k, p))
+        return cut.at[i].set(row_cut[0])
+
+    def search_rows() -> jax.Array:
+        return jax.lax.fori_loop(
+            0,
+            num_seqs,
+            lambda i, cut: jax.lax.cond(found[i], lambda: cut, lambda: search_row(i, cut)),
+            cut,
+        )
+
+    return jax.lax.cond(jnp.all(found), lambda: cut, search_rows)
+
+
+def _bisected_cut(w: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The cuts of ``_cuts`` found by bisection over each row's float values (``_largest``)."""
+    vocab = w.shape[-1]
+    zeros = jnp.zeros(w.shape[0])
     k_cut = jax.lax.cond(
         jnp.any(top_k < vocab),
         lambda: _largest(w, zeros, lambda n, mass: n >= top_k),
         lambda: zeros,
     )
-    target = meta.top_p * jnp.sum(jnp.where(w >= k_cut[:, None], w, 0.0), axis=-1)
-    cut = jax.lax.cond(
-        jnp.any(meta.top_p < 1.0),
+    target = top_p * jnp.sum(jnp.where(w >= k_cut[:, None], w, 0.0), axis=-1)
+    return jax.lax.cond(
+        jnp.any(top_p < 1.0),
         lambda: _largest(w, k_cut, lambda n, mass: mass >= target),
         lambda: k_cut,
     )
-    cut = jnp.maximum(cut, meta.min_p)  # min-p: w >= min_p * 1.0
-    kept_mass = jnp.sum(jnp.where(w >= cut[:, None], w, 0.0), axis=-1)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
-        meta.seeds, meta.output_index
+
+
+def _cut_from_largest(
+    w: jax.Array, top_k: jax.Array, top_p: jax.Array, count: int
+) -> tuple[jax.Array, jax.Array]:  # ([num_seqs] float32, [num_seqs] bool)
+    """The cuts of ``_cuts`` read from each row's ``count`` largest weights, and whether each
+    row's cut lies among them."""
+    vocab = w.shape[-1]
+    count = min(count, vocab)
+    largest, _ = jax.lax.top_k(w, count)  # [num_seqs, count], descending
+    limited, nucleus = top_k < vocab, top_p < 1.0
+    nth = jnp.take_along_axis(largest, jnp.clip(top_k - 1, 0, count - 1)[:, None], axis=-1)[:, 0]
+    k_cut = jnp.where(limited, nth, 0.0)
+    target = top_p * jnp.sum(jnp.where(w >= k_cut[:, None], w, 0.0), axis=-1)
+    # The kept mass down to each candidate: exact at the last of every run of equal values
+    # (the candidates hold every weight above their smallest), so the first candidate whose
+    # running mass reaches the target is the cut.
+    running = _inclusive_cumsum(jnp.where(largest >= k_cut[:, None], largest, 0.0))
+    reached = running >= target[:, None]
+    first = jnp.minimum(_first_index(reached), count - 1)  # (none reached: not found)
+    p_cut = jnp.take_along_axis(largest, first[:, None], axis=-1)[:, 0]
+    cut = jnp.where(nucleus, jnp.maximum(p_cut, k_cut), k_cut)
+    return cut, (~limited | (top_k <= count)) & (~nucleus | jnp.any(reached, axis=-1))
+
+
+def _draw(kept: jax.Array, r: jax.Array) -> jax.Array:  # [num_seqs] int32
+    """Per row, the token whose interval of the running mass of ``kept`` (weights, zero for
+    dropped tokens; in vocabulary order) holds ``r`` (uniform in [0, 1)) times the total.
+
+    The row is summed in blocks of ``DRAW_BLOCK`` columns; the running sums pick the block, and
+    that block's running sums the token, so the row is read once. Every sum is elementwise or
+    within a row, so a row's draw does not depend on the others. A token of zero weight is
+    never drawn, also when rounding puts ``u`` at the very end of the mass.
+    """
+    num_seqs, vocab = kept.shape
+    num_blocks = -(-vocab // DRAW_BLOCK)
+    if num_blocks * DRAW_BLOCK != vocab:
+        kept = jnp.pad(kept, ((0, 0), (0, num_blocks * DRAW_BLOCK - vocab)))
+    blocks = kept.reshape(num_seqs, num_blocks, DRAW_BLOCK)
+    sums = jnp.sum(blocks, axis=-1)
+    running = _inclusive_cumsum(sums)
+    u = r * running[:, -1]
+    block = _first_index_up_to((running > u[:, None]) & (sums > 0), sums > 0)
+    before = jnp.where(
+        block > 0, jnp.take_along_axis(running, jnp.maximum(block - 1, 0)[:, None], -1)[:, 0], 0.0
     )
-    u = jax.vmap(jax.random.uniform)(keys) * kept_mass
-    # The inverse CDF in descending order: the first token whose running mass passes u.
-    chosen = _largest(w, cut, lambda count, mass: mass > u)
-    tied = w == chosen[:, None]
-    num_tied = jnp.sum(tied, axis=-1)
-    # Equal weights share the interval of u that landed on them: u's place in it picks one.
-    above = jnp.sum(jnp.where(w > chosen[:, None], w, 0.0), axis=-1)
-    nth = jnp.clip(((u - above) / chosen).astype(jnp.int32), 0, num_tied - 1)
-    return jax.lax.cond(
-        jnp.any(num_tied > 1), lambda: _nth_index(tied, nth), lambda: _first_index(tied)
-    )
+    row = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [num_seqs, block]
+    within = _inclusive_cumsum(row)
+    column = _first_index_up_to((within > (u - before)[:, None]) & (row > 0), row > 0)
+    return block * DRAW_BLOCK + column
+
+
+def _inclusive_cumsum(x: jax.Array) -> jax.Array:
+    """Running sums along the last axis by doubling strides: elementwise adds only, so each
+    row's sums come out the same whatever the batch (an XLA:CPU cumsum of [16, 49152] took
+    3.5 ms; this runs on short rows)."""
+    n = x.shape[-1]
+    shift = 1
+    while shift < n:
+        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
+        shift *= 2
+    return x
+
+
+def _first_index_up_to(mask: jax.Array, present: jax.Array) -> jax.Array:  # [num_seqs] int32
+    """The lowest column where ``mask`` holds, or, where it holds nowhere, the last column
+    where ``present`` does (0 when none does)."""
+    columns = jnp.arange(mask.shape[-1], dtype=jnp.int32)
+    last = jnp.max(jnp.where(present, columns, 0), axis=-1)
+    return jnp.minimum(_first_index(mask), last)
 
 
 def _largest(w: jax.Array, lo: jax.Array, holds) -> jax.Array:  # [num_seqs] float32
@@ -255,23 +373,6 @@ def _largest(w: jax.Array, lo: jax.Array, holds) -> jax.Array:  # [num_seqs] flo
 
     lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
-
-
-def _nth_index(mask: jax.Array, nth: jax.Array) -> jax.Array:  # [num_seqs] int32
-    """Per row, the column of the ``nth`` true entry of ``mask`` (counting from 0), found by
-    bisection over the columns: the smallest column with ``nth + 1`` true entries up to it."""
-    columns = jnp.arange(mask.shape[-1], dtype=jnp.int32)
-    lo = jnp.zeros(mask.shape[0], jnp.int32)
-    hi = jnp.full(mask.shape[0], mask.shape[-1] - 1, jnp.int32)
-
-    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        enough = jnp.sum(mask & (columns <= mid[:, None]), axis=-1) > nth
-        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
-
-    lo, _ = jax.lax.fori_loop(0, max(1, (mask.shape[-1] - 1).bit_length()), halve, (lo, hi))
-    return lo
 
 
 def _first_index(mask: jax.Array) -> jax.Array:  # [num_seqs] int32

@@ -2,6 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_llm_runtime.runtime.engine import sampler
 from jax_llm_runtime.runtime.engine.sampler import empty_sampling_metadata
 from jax_llm_runtime.runtime.engine.sampler import sample as sample_output
 
@@ -109,3 +110,45 @@ def test_tokens_with_equal_logits_share_their_mass():
     # top_k 2 keeps the three tied top tokens (a threshold keeps ties together).
     out = np.asarray(sample(logits, meta(3000, temperature=1.0, top_k=2, seeds=np.arange(3000))))
     assert set(out) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (40, 1.0), (0, 0.9), (0, 0.5), (20, 0.8)])
+def test_cuts_read_from_the_largest_weights_equal_the_bisected_cuts(top_k, top_p):
+    # Rows of every shape of distribution: peaked ones, whose cut lies among the 64 largest
+    # weights, flat ones, where it does not, and rows with runs of equal weights.
+    rng = np.random.default_rng(11)
+    rows = [rng.standard_normal(4096) * scale for scale in (0.3, 1.0, 3.0, 8.0)]
+    rows.append(np.round(rng.standard_normal(4096) * 4) / 2)  # many ties
+    logits = jnp.asarray(np.stack(rows), jnp.float32)
+    w = jnp.exp(logits - logits.max(-1, keepdims=True))
+    n = len(rows)
+    k = jnp.full(n, top_k if top_k else 4096, jnp.int32)
+    p = jnp.full(n, top_p, jnp.float32)
+    zeros = jnp.zeros(n)
+    k_cut = sampler._largest(w, zeros, lambda count, mass: count >= k) if top_k else zeros
+    target = p * jnp.sum(jnp.where(w >= k_cut[:, None], w, 0.0), -1)
+    bisected = sampler._largest(w, k_cut, lambda count, mass: mass >= target)
+    for candidates in (64, 1024, 4096):
+        cut, found = sampler._cut_from_largest(w, k, p, candidates)
+        found = np.asarray(found)
+        # The cut is read wherever the candidates hold it, and then is the bisected one.
+        kept = np.sum(np.asarray(w) >= np.asarray(bisected)[:, None], -1)
+        np.testing.assert_array_equal(found, kept <= candidates)
+        np.testing.assert_array_equal(np.asarray(cut)[found], np.asarray(bisected)[found])
+    # The whole sampler's cut is the bisected one on every row, read or bisected.
+    np.testing.assert_array_equal(np.asarray(sampler._cuts(w, k, p)), np.asarray(bisected))
+
+
+def test_the_draw_lands_on_kept_tokens_in_proportion_to_their_weight():
+    # 300 columns: blocks of 128 and a padded last block; zero weights are never drawn, even
+    # when the uniform sits at the very end of the mass.
+    kept = np.zeros(300, np.float32)
+    kept[[0, 127, 128, 250, 299]] = [1.0, 2.0, 0.5, 0.25, 0.25]
+    n = 8000
+    r = (np.arange(n) + 0.5) / n
+    r[-1] = np.nextafter(np.float32(1.0), np.float32(0.0))
+    out = np.asarray(sampler._draw(jnp.asarray(np.tile(kept, (n, 1))), jnp.asarray(r, jnp.float32)))
+    assert set(out) <= {0, 127, 128, 250, 299}
+    np.testing.assert_allclose(
+        np.bincount(out, minlength=300)[kept > 0] / n, kept[kept > 0] / 4, atol=2e-3
+    )
