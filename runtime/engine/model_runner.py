@@ -476,6 +476,9 @@ def _multi_step(
     def one(carry: tuple[KVCache, StepBatch, SamplingMetadata], _: None):
         cache, batch, meta = carry
         logits, cache = forward(config, weights, cache, batch)
+        # The sampler takes replicated logits, as after a single step: on a mesh it then runs
+        # the same computation (a seeded draw does not depend on the call) and compiles faster.
+        logits = _replicate(logits.astype(jnp.float32), replicated)
         # A decode batch: row s is sequence s's one token (num_tokens == num_seqs).
         tokens = sample(logits, meta).token_ids.astype(jnp.int32)  # [num_seqs]
         active = batch.q_lens > 0  # padding rows stay empty and write nothing
