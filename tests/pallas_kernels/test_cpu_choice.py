@@ -233,7 +233,10 @@ def test_the_ops_follow_the_verdicts() -> None:
 
 
 def _fake_compiler(tmp_path: Path, fail: bool) -> Path:
-    """A ``$CXX`` that logs each build and links an empty library at ``-o`` (or fails)."""
+    """A ``$CXX`` that logs each build and links an empty library at ``-o`` (or fails), with the
+    compiler the runtime would have used (under qemu, the cross compiler: a host ``c++`` would
+    link a library the emulated process cannot load)."""
+    real = native._compiler()
     script = tmp_path / "cxx"
     log = tmp_path / "builds.log"
     body = f'echo "$@" >> "{log}"\n'
@@ -241,7 +244,7 @@ def _fake_compiler(tmp_path: Path, fail: bool) -> Path:
         body += "echo 'fatal: no space left' >&2; exit 1\n"
     else:
         body += 'out=""; prev=""; for a in "$@"; do [ "$prev" = -o ] && out="$a"; prev="$a"; done\n'
-        body += 'exec c++ -shared -fPIC -x c++ /dev/null -o "$out"\n'
+        body += f'exec "{real}" -shared -fPIC -x c++ /dev/null -o "$out"\n'
     script.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n' + body)
     script.chmod(0o755)
     return log
