@@ -14,7 +14,8 @@ ISQ_CHOICES = (*ISQ_TYPES, "int8")
 PRECOMPILE_CHOICES = ("first", "all", "none")
 # auto: the model dtype; a float dtype: that one; fp8*: e4m3 + row scales
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")
-# quantized projections' operands; auto: int8 on CPUs with integer dots, else the model dtype
+# quantized projections' operands; auto: int8 where the native CPU kernels have int8 dots, else
+# the model dtype
 MATMUL_DTYPES = ("auto", "model", "bfloat16", "int8")
 DEFAULT_MAX_WAITING = 256
 # prefill_chunk_size 0 (no chunking, as in candle-vllm) becomes this: a chunk longer than any
@@ -73,8 +74,8 @@ class EngineConfig:
     quantized projections with bfloat16 operands (faster on CPU, not batch-invariant: see
     models.layers.linear); "int8" rounds their activations to int8 blocks of 32 (llama.cpp's
     rounding) and multiplies with integer dots in the native CPU kernel; "model" multiplies in
-    the model dtype; "auto" is int8 where the native CPU kernels run with integer dot products
-    (AVX-512 VNNI, AVX-VNNI, Arm dotprod) and the model dtype elsewhere
+    the model dtype; "auto" is int8 where the native CPU kernels run with int8 dots (x86-64
+    from AVX2 up, Arm with dotprod) and the model dtype elsewhere
     (``runtime.loading.builder.operand_dtype``).
     attention_backend and matmul_backend choose the paged-attention and dequant-matmul
     implementations: "auto" (on GPU and TPU the Pallas kernel where a startup check on the device

@@ -410,8 +410,8 @@ def _add_numerics_flags(group: argparse._ArgumentGroup) -> None:
         "AVX512-BF16, logits within ~1%%, but a request's tokens may then depend on what it is "
         "batched with; int8 = activations rounded to int8 blocks of 32 as llama.cpp rounds "
         "them (a lone row too), multiplied with integer dots by the native CPU kernel; auto = "
-        "int8 on CPUs whose native kernels have integer dot products (AVX-512 VNNI, AVX-VNNI, "
-        "Arm dotprod), else model (default: %(default)s)",
+        "int8 where the native CPU kernels have int8 dots (x86-64 from AVX2 up, Arm with "
+        "dotprod), else model (default: %(default)s)",
     )
     add(
         "--fp8-kvcache",

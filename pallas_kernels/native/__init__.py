@@ -177,16 +177,14 @@ def cpu_isa() -> Isa:
     return _level(best[0], best[1], best[3], features)
 
 
-# The extensions whose integer dot products (four int8 products summed into each 32-bit lane in
-# one instruction) make the int8-activation kernel faster than the float one on this CPU.
-INTEGER_DOT_EXTENSIONS = ("vnni", "avxvnni", "dotprod")
-
-
-def integer_dots() -> bool:
-    """Whether the build for this CPU (``cpu_isa``) has an integer dot-product instruction:
-    AVX-512 VNNI, AVX-VNNI or Arm's dot-product extension. Plain AVX2 multiplies int8 codes with
-    ``maddubs`` pairs, which loses to its float path (BENCHMARKS.md)."""
-    return any(label in INTEGER_DOT_EXTENSIONS for label in cpu_isa().name.split("+")[1:])
+def int8_wins() -> bool:
+    """Whether the build for this CPU (``cpu_isa``) multiplies int8 activations faster than
+    float ones: every x86-64 build from AVX2 up (``vpmaddubsw`` pairs, or ``vpdpbusd`` with
+    AVX-512 VNNI or AVX-VNNI) and Arm with the dot-product extension (BENCHMARKS.md, "int8
+    activations on AVX2"). Plain aarch64 has no integer dot instruction and the generic build is
+    scalar: there the float path stays."""
+    level, *labels = cpu_isa().name.split("+")
+    return level in ("x86-64-v4", "x86-64-v3") or "dotprod" in labels
 
 
 def enabled() -> bool:

@@ -112,7 +112,7 @@ def resolve_kv_cache_dtype(
     or float8 one is stored as integers, ``storage_dtype``): a float dtype named, e4m3 with
     scales ("fp8*"), or for "auto" the model dtype, except that a float32 model whose projections
     take int8 activations (``int8_activations``: ``takes_int8_activations``, the native CPU
-    kernels' default where the CPU has integer dot products) stores float16, as llama.cpp's
+    kernels' default on x86-64 from AVX2 up and Arm with dotprod) stores float16, as llama.cpp's
     default cache does. There the cache's rounding leaves perplexity unchanged and, the integer
     dots being exact per row, a request's tokens and logprobs still do not depend on its batch;
     it halves the bytes attention reads. With float activations a 16-bit cache's rounding turns
@@ -531,8 +531,8 @@ def mixed_steps(model_config: Any, cache: Any, dtype: Any) -> bool:
 def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:
     """The quantized projections' operands for ``--matmul-dtype`` (``models.layers.linear``):
     "model" is the model dtype (None); "auto" is int8 where the native CPU kernels run and their
-    build has integer dot products (``native.integer_dots``: there int8 activations, rounded as
-    llama.cpp rounds them and as accurate, multiply fastest), else the model dtype. ``--isq
+    build multiplies int8 faster than float (``native.int8_wins``: there int8 activations, rounded
+    as llama.cpp rounds them and as accurate, multiply fastest), else the model dtype. ``--isq
     int8``'s weights are not packed and multiply int8 activations only more slowly, so auto
     leaves them alone."""
     if matmul_dtype != "auto":
@@ -541,15 +541,16 @@ def operand_dtype(matmul_dtype: str, model_config: Any) -> str | None:
         model_config.native_kernels
         and model_config.quantization != "int8"
         and native_dequant.available()
-        and native.integer_dots()
+        and native.int8_wins()
     )
     choice = "int8" if int8 else None
     logger.info(
         "matmul operands: %s (--matmul-dtype auto: %s)",
         "int8 activations" if int8 else "the model dtype",
-        f"{native.cpu_isa().name} has integer dot products"
+        f"the {native.cpu_isa().name} kernels multiply int8 fastest"
         if int8
-        else "int8 activations only where native CPU kernels with integer dot products run",
+        else "int8 activations only where native CPU kernels with int8 dots run (x86-64 from "
+        "AVX2 up, Arm with dotprod)",
     )
     return choice
 

@@ -1,6 +1,7 @@
 """The defaults that make a CPU fast without flags: int8 activations where the native kernels
-have integer dot products (and only there), the model dtype elsewhere or when asked for. (Four
-tokens per decode call on CPU by default: ``test_multi_step.py``.)"""
+multiply int8 fastest (x86-64 from AVX2 up, Arm with dotprod; and only there), the model dtype
+elsewhere or when asked for. (Four tokens per decode call on CPU by default:
+``test_multi_step.py``.)"""
 
 from __future__ import annotations
 
@@ -36,23 +37,23 @@ def _cpu(monkeypatch: pytest.MonkeyPatch, isa: str, built: bool = True) -> None:
 
 
 @pytest.mark.parametrize(
-    ("isa", "integer_dots"),
+    ("isa", "int8"),
     [
         ("x86-64-v4+vnni+vbmi", True),
-        ("x86-64-v4", False),  # Skylake-X: AVX-512 without VNNI
+        ("x86-64-v4", True),  # Skylake-X: AVX-512BW maddubs, no VNNI
         ("x86-64-v3+avxvnni", True),
-        ("x86-64-v3", False),  # plain AVX2: maddubs loses to the float path
+        ("x86-64-v3", True),  # plain AVX2: maddubs pairs beat the float path too
         ("aarch64+dotprod", True),
-        ("aarch64", False),
-        ("generic", False),
+        ("aarch64", False),  # no integer dot instruction
+        ("generic", False),  # scalar
     ],
 )
-def test_auto_picks_int8_activations_only_with_integer_dots(
-    monkeypatch: pytest.MonkeyPatch, model_config, isa: str, integer_dots: bool
+def test_auto_picks_int8_activations_where_int8_dots_win(
+    monkeypatch: pytest.MonkeyPatch, model_config, isa: str, int8: bool
 ) -> None:
     _cpu(monkeypatch, isa)
-    assert native.integer_dots() is integer_dots
-    assert builder.operand_dtype("auto", model_config) == ("int8" if integer_dots else None)
+    assert native.int8_wins() is int8
+    assert builder.operand_dtype("auto", model_config) == ("int8" if int8 else None)
 
 
 def test_auto_keeps_the_model_dtype_without_native_kernels(
@@ -77,7 +78,7 @@ def test_explicit_choices_win(monkeypatch: pytest.MonkeyPatch, model_config) -> 
     _cpu(monkeypatch, "x86-64-v4+vnni+vbmi")
     assert builder.operand_dtype("model", model_config) is None
     assert builder.operand_dtype("bfloat16", model_config) == "bfloat16"
-    _cpu(monkeypatch, "x86-64-v3")
+    _cpu(monkeypatch, "aarch64")  # auto would keep the model dtype here
     assert builder.operand_dtype("int8", model_config) == "int8"
 
 
