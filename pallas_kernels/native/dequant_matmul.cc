@@ -478,6 +478,47 @@ inline IVec Dot4(IVec acc, UVec w, int32_t x) {
 #endif
 }
 
+// AVX2 and AVX-512BW without VNNI: vpmaddubsw's pair sums of a group's codes
+// add up as int16 (vpaddw) and widen to int32 once per group (vpmaddwd by
+// ones), where the group's pair sums cannot overflow int16: codes of at most
+// `bits` bits times x's codes (|x| <= 127) give pair sums of at most
+// 2 * (2^bits - 1) * 127. Dot4 widens every four codes instead: two of the
+// shuffle-port instructions per four codes against one. The integer sums are
+// the same.
+#if (defined(__AVX512BW__) || defined(__AVX2__)) && !defined(__AVX512VNNI__) && \
+    !defined(__AVXVNNI__)
+#define DQM_PAIR_SUMS 1
+#if defined(__AVX512BW__)
+#define PAIR_OP(name) _mm512_##name
+typedef __m512i PairReg;
+#else
+#define PAIR_OP(name) _mm256_##name
+typedef __m256i PairReg;
+#endif
+
+// acc (int16 lanes) + vpmaddubsw of w's four codes per lane and x's four.
+inline IVec PairSum(IVec acc, UVec w, int32_t x) {
+  const PairReg sum = PAIR_OP(maddubs_epi16)(reinterpret_cast<PairReg>(w), PAIR_OP(set1_epi32)(x));
+  return reinterpret_cast<IVec>(PAIR_OP(add_epi16)(reinterpret_cast<PairReg>(acc), sum));
+}
+
+// The int32 sums of acc's int16 lane pairs.
+inline IVec Widen(IVec acc) {
+  return reinterpret_cast<IVec>(
+      PAIR_OP(madd_epi16)(reinterpret_cast<PairReg>(acc), PAIR_OP(set1_epi16)(1)));
+}
+#undef PAIR_OP
+#endif
+
+// Whether groups of `quads` quads of `bits`-bit codes sum as int16 pairs.
+constexpr bool PairSums([[maybe_unused]] int bits, [[maybe_unused]] int quads) {
+#if defined(DQM_PAIR_SUMS)
+  return bits < 8 && quads * 2 * ((1 << bits) - 1) * 127 <= 32767;
+#else
+  return false;
+#endif
+}
+
 // Where row r0's int8 codes, run scales and half-run/run sums start in the
 // layout of QuantizeRows (a pass's rows lie in one block of kRowBlock: r0 is a
 // multiple of the pass's row count).
@@ -503,6 +544,7 @@ template <int B0, int B1, int Rows, bool Fine>
 void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict) {
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
   constexpr int kGroup = Fine ? kHalf : kRun;  // codes per integer dot
+  [[maybe_unused]] constexpr bool kPairs = PairSums(B0 + B1, kGroup / 4);
   const Weight& w = p.w;
   const int64_t runs = w.k / kRun;
   const RowsQ8 x = RowsQ8At(p, r0);
@@ -527,14 +569,26 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
         if (i % kGroup == 0)
           for (int r = 0; r < Rows; ++r) acc[r] = IVec{};
 #pragma GCC unroll 8
-        for (int r = 0; r < Rows; ++r)
-          acc[r] = Dot4<(B0 + B1 >= 8)>(acc[r], q, xq[(run * kQuads + i / 4) * kRowBlock + r]);
+        for (int r = 0; r < Rows; ++r) {
+          const int32_t x4 = xq[(run * kQuads + i / 4) * kRowBlock + r];
+#if defined(DQM_PAIR_SUMS)
+          if constexpr (kPairs) {
+            acc[r] = PairSum(acc[r], q, x4);
+            continue;
+          }
+#endif
+          acc[r] = Dot4<(B0 + B1 >= 8)>(acc[r], q, x4);
+        }
         if ((i + 4) % kGroup == 0) {  // the group's last codes: scale its dots into y
           const int half = 2 * run + i / kHalf;
           Vec s, o;
           Factors(w, RowsOf(w, half), c, s, o);
           for (int r = 0; r < Rows; ++r) {
-            y[r] += ToFloat(acc[r]) * Splat(xd[run * kRowBlock + r]) * s;
+            IVec dots = acc[r];
+#if defined(DQM_PAIR_SUMS)
+            if constexpr (kPairs) dots = Widen(dots);
+#endif
+            y[r] += ToFloat(dots) * Splat(xd[run * kRowBlock + r]) * s;
             if (w.offset)
               y[r] -= o * Splat(Fine ? xh[half * kRowBlock + r] : xr[run * kRowBlock + r]);
           }

@@ -106,7 +106,8 @@ from gguf import GGMLQuantizationType as T
 print(native.cpu_isa().name)
 rng = np.random.default_rng(0)
 int8_outputs = hashlib.sha256()
-for qtype, rows in ((T.Q4_1, 1), (T.Q8_0, 5), (T.Q4_K, 3), (T.Q6_K, 9), (T.Q5_0, 2)):
+cases = ((T.Q4_1, 1), (T.Q4_1, 16), (T.Q8_0, 5), (T.Q4_K, 3), (T.Q5_K, 4), (T.Q6_K, 9), (T.Q5_0, 2))
+for qtype, rows in cases:
     w = _gguf_weight(qtype, 256, 96, rng)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
     for int8 in (False, True):
