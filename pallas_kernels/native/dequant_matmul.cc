@@ -235,6 +235,9 @@ struct Problem {
   const float* xd = nullptr;    // [row blocks][runs][kRowBlock]
   const float* xh = nullptr;    // [row blocks][halves][kRowBlock]
   const float* xr = nullptr;    // [row blocks][runs][kRowBlock]
+  // With wide codes where PassQ8 sums them as int16 pairs (WidePairs): each int32
+  // of xq as two, its codes 0 and 2 then 1 and 3 as sign-extended int16 pairs.
+  const int32_t* xw = nullptr;  // [row blocks][runs][kRun / 4][kRowBlock][2]
   float* y = nullptr;         // [rows, n]
   int64_t rows = 0;
   int64_t block = 0;  // output columns per work item
@@ -519,12 +522,38 @@ constexpr bool PairSums([[maybe_unused]] int bits, [[maybe_unused]] int quads) {
 #endif
 }
 
+// Codes of 8 bits where Dot4 takes them apart into even and odd bytes (AVX2,
+// AVX-512BW without VNNI): with x's codes already as int16 pairs (Problem.xw),
+// the two vpmaddwd read them broadcast instead of building them per code.
+#if (defined(__AVX512BW__) || defined(__AVX2__)) && !defined(__AVX512VNNI__) && \
+    !defined(__AVXVNNI__)
+constexpr bool kWidePairs = true;
+
+inline IVec DotWide(IVec acc, UVec w, const int32_t* x2) {
+#if defined(__AVX512BW__)
+#define WIDE_OP(name) _mm512_##name
+  typedef __m512i Reg;
+#else
+#define WIDE_OP(name) _mm256_##name
+  typedef __m256i Reg;
+#endif
+  const Reg even = WIDE_OP(madd_epi16)(reinterpret_cast<Reg>(w & 0x00ff00ffu), WIDE_OP(set1_epi32)(x2[0]));
+  const Reg odd =
+      WIDE_OP(madd_epi16)(reinterpret_cast<Reg>((w >> 8) & 0x00ff00ffu), WIDE_OP(set1_epi32)(x2[1]));
+#undef WIDE_OP
+  return acc + reinterpret_cast<IVec>(even) + reinterpret_cast<IVec>(odd);
+}
+#else
+constexpr bool kWidePairs = false;
+#endif
+
 // Where row r0's int8 codes, run scales and half-run/run sums start in the
 // layout of QuantizeRows (a pass's rows lie in one block of kRowBlock: r0 is a
 // multiple of the pass's row count).
 struct RowsQ8 {
   const int32_t* xq;
   const float *xd, *xh, *xr;
+  const int32_t* xw;  // nullptr without Problem.xw
 };
 
 inline RowsQ8 RowsQ8At(const Problem& p, int64_t r0) {
@@ -532,7 +561,8 @@ inline RowsQ8 RowsQ8At(const Problem& p, int64_t r0) {
   const int64_t block = r0 / kRowBlock, lane = r0 % kRowBlock;
   return {p.xq + block * runs * kQuads * kRowBlock + lane,
           p.xd + block * runs * kRowBlock + lane, p.xh + block * halves * kRowBlock + lane,
-          p.xr + block * runs * kRowBlock + lane};
+          p.xr + block * runs * kRowBlock + lane,
+          p.xw ? p.xw + (block * runs * kQuads * kRowBlock + lane) * 2 : nullptr};
 }
 
 // Pass with int8 activations. The columns are the outer loop here, so that
@@ -550,6 +580,7 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
   const RowsQ8 x = RowsQ8At(p, r0);
   const int32_t* xq = x.xq;
   const float *xd = x.xd, *xh = x.xh, *xr = x.xr;
+  [[maybe_unused]] const int32_t* xw = x.xw;
   for (int64_t c = col; c < end; c += kLanes) {
     Vec y[Rows];
     for (int r = 0; r < Rows; ++r) y[r] = Vec{};
@@ -574,6 +605,10 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
 #if defined(DQM_PAIR_SUMS)
           if constexpr (kPairs) {
             acc[r] = PairSum(acc[r], q, x4);
+            continue;
+          }
+          if constexpr (B0 + B1 >= 8 && kWidePairs) {
+            acc[r] = DotWide(acc[r], q, xw + ((run * kQuads + i / 4) * kRowBlock + r) * 2);
             continue;
           }
 #endif
@@ -1003,7 +1038,7 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
 struct Work {
   Problem problem;
   std::vector<float> xs;
-  std::vector<int32_t> xq;
+  std::vector<int32_t> xq, xw;
   std::vector<float> xd, xh, xr;
   std::vector<int64_t> starts;
   std::vector<float> partials;
@@ -1066,7 +1101,7 @@ float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
 // PassQ8 (see Problem): blocks of kRowBlock rows, each run's codes four to an
 // int32 with the block's rows side by side, so that a pass reads the rows'
 // codes for the same four columns of `in` from one place.
-void QuantizeRows(const float* x, int64_t rows, int64_t k, Work& work) {
+void QuantizeRows(const float* x, int64_t rows, int64_t k, bool wide_pairs, Work& work) {
   const int64_t runs = k / kRun, halves = k / kHalf;
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   work.xq.assign(static_cast<size_t>(blocks * runs * kQuads * kRowBlock), 0);
@@ -1087,6 +1122,18 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, Work& work) {
       work.xh[(block * halves + 2 * run + 1) * kRowBlock + lane] = d * static_cast<float>(sums[1]);
       work.xr[at] = d * static_cast<float>(sums[0] + sums[1]);
     }
+  }
+  if (!wide_pairs) return;
+  // Problem.xw: per four codes, codes 0 and 2, then 1 and 3, as int16 pairs.
+  work.xw.resize(work.xq.size() * 2);
+  for (size_t i = 0; i < work.xq.size(); ++i) {
+    const uint32_t four = static_cast<uint32_t>(work.xq[i]);
+    const auto code = [four](int t) {
+      return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int8_t>(four >> (8 * t))));
+    };
+    int32_t* out = &work.xw[2 * i];
+    out[0] = static_cast<int32_t>(code(0) | code(2) << 16);
+    out[1] = static_cast<int32_t>(code(1) | code(3) << 16);
   }
 }
 
@@ -1184,8 +1231,10 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.rows = xd[0];
   if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
   if (int8_x) {
-    QuantizeRows(p.x, p.rows, w.k, *work);
+    const bool wide_pairs = kWidePairs && w.b0 + w.b1 >= 8;
+    QuantizeRows(p.x, p.rows, w.k, wide_pairs, *work);
     p.xq = work->xq.data();
+    p.xw = wide_pairs ? work->xw.data() : nullptr;
     p.xd = work->xd.data();
     p.xh = work->xh.data();
     p.xr = work->xr.data();
