@@ -1086,6 +1086,26 @@ float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h * kHalf), _mm512_cvtepi32_epi8(q));
     sums[h] = _mm512_reduce_add_epi32(q);
   }
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h) {
+    __m256i q[2];
+    for (int u = 0; u < 2; ++u) {
+      const __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + h * kHalf + 8 * u), _mm256_set1_ps(d));
+      const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[u] = _mm256_cvtps_epi32(
+          _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), r)));
+    }
+    // int32 to int16 packs per 128-bit lane (q0 0-3, q1 0-3, q0 4-7, q1 4-7): put the
+    // halves in order, then pack to int8.
+    const __m256i pairs = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h * kHalf),
+                     _mm_packs_epi16(_mm256_castsi256_si128(pairs),
+                                     _mm256_extracti128_si256(pairs, 1)));
+    const __m256i both = _mm256_add_epi32(q[0], q[1]);
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    sum = _mm_hadd_epi32(sum, sum);
+    sums[h] = _mm_cvtsi128_si32(_mm_hadd_epi32(sum, sum));
+  }
 #else
   for (int i = 0; i < kRun; ++i) {
     const float v = std::nearbyint(src[i] / d);
