@@ -59,7 +59,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__ARM_FEATURE_DOTPROD)
+#if defined(__ARM_NEON)
 #include <arm_neon.h>
 #endif
 
@@ -1105,6 +1105,19 @@ float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
     __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
     sum = _mm_hadd_epi32(sum, sum);
     sums[h] = _mm_cvtsi128_si32(_mm_hadd_epi32(sum, sum));
+  }
+#elif defined(__ARM_NEON)
+  for (int h = 0; h < 2; ++h) {
+    int32x4_t q[4];
+    for (int u = 0; u < 4; ++u) {
+      const float32x4_t v = vdivq_f32(vld1q_f32(src + h * kHalf + 4 * u), vdupq_n_f32(d));
+      const float32x4_t r = vrndnq_f32(v);  // to nearest, ties to even
+      q[u] = vcvtq_s32_f32(vminq_f32(vdupq_n_f32(127.0f), vmaxq_f32(vdupq_n_f32(-127.0f), r)));
+    }
+    const int16x8_t lo = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1]));
+    const int16x8_t hi = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+    vst1q_s8(dst + h * kHalf, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));
+    sums[h] = vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
   }
 #else
   for (int i = 0; i < kRun; ++i) {
