@@ -481,16 +481,21 @@ inline IVec Dot4(IVec acc, UVec w, int32_t x) {
 #endif
 }
 
-// AVX2 and AVX-512BW without VNNI: vpmaddubsw's pair sums of a group's codes
-// add up as int16 (vpaddw) and widen to int32 once per group (vpmaddwd by
-// ones), where the group's pair sums cannot overflow int16: codes of at most
-// `bits` bits times x's codes (|x| <= 127) give pair sums of at most
-// 2 * (2^bits - 1) * 127. Dot4 widens every four codes instead: two of the
-// shuffle-port instructions per four codes against one. The integer sums are
-// the same.
+// AVX2 and AVX-512BW without VNNI (DQM_PAIR_SUMS), the passes of several rows
+// use two forms that Dot4 does not, with the same integer sums:
+// - PairSum/Widen: vpmaddubsw's pair sums of a group's codes add up as int16
+//   (vpaddw) and widen to int32 once per group (vpmaddwd by ones), where the
+//   group's pair sums cannot overflow int16 (PairSums): codes of at most `bits`
+//   bits times x's codes (|x| <= 127) give pair sums of at most
+//   2 * (2^bits - 1) * 127. Dot4 widens every four codes: two of the
+//   shuffle-port instructions per four codes against one.
+// - DotWide: codes of 8 bits, which Dot4 takes apart into even and odd bytes,
+//   multiply x's codes already made int16 pairs (Problem.xw) instead of pairs
+//   built per code.
 #if (defined(__AVX512BW__) || defined(__AVX2__)) && !defined(__AVX512VNNI__) && \
     !defined(__AVXVNNI__)
 #define DQM_PAIR_SUMS 1
+constexpr bool kWidePairs = true;
 #if defined(__AVX512BW__)
 #define PAIR_OP(name) _mm512_##name
 typedef __m512i PairReg;
@@ -510,7 +515,19 @@ inline IVec Widen(IVec acc) {
   return reinterpret_cast<IVec>(
       PAIR_OP(madd_epi16)(reinterpret_cast<PairReg>(acc), PAIR_OP(set1_epi16)(1)));
 }
+
+// acc + w's 8-bit codes times x's four codes, given as int16 pairs x2[0] (codes
+// 0 and 2) and x2[1] (codes 1 and 3).
+inline IVec DotWide(IVec acc, UVec w, const int32_t* x2) {
+  const PairReg even = PAIR_OP(madd_epi16)(reinterpret_cast<PairReg>(w & 0x00ff00ffu),
+                                           PAIR_OP(set1_epi32)(x2[0]));
+  const PairReg odd = PAIR_OP(madd_epi16)(reinterpret_cast<PairReg>((w >> 8) & 0x00ff00ffu),
+                                          PAIR_OP(set1_epi32)(x2[1]));
+  return acc + reinterpret_cast<IVec>(even) + reinterpret_cast<IVec>(odd);
+}
 #undef PAIR_OP
+#else
+constexpr bool kWidePairs = false;
 #endif
 
 // Whether groups of `quads` quads of `bits`-bit codes sum as int16 pairs.
@@ -521,31 +538,6 @@ constexpr bool PairSums([[maybe_unused]] int bits, [[maybe_unused]] int quads) {
   return false;
 #endif
 }
-
-// Codes of 8 bits where Dot4 takes them apart into even and odd bytes (AVX2,
-// AVX-512BW without VNNI): with x's codes already as int16 pairs (Problem.xw),
-// the two vpmaddwd read them broadcast instead of building them per code.
-#if (defined(__AVX512BW__) || defined(__AVX2__)) && !defined(__AVX512VNNI__) && \
-    !defined(__AVXVNNI__)
-constexpr bool kWidePairs = true;
-
-inline IVec DotWide(IVec acc, UVec w, const int32_t* x2) {
-#if defined(__AVX512BW__)
-#define WIDE_OP(name) _mm512_##name
-  typedef __m512i Reg;
-#else
-#define WIDE_OP(name) _mm256_##name
-  typedef __m256i Reg;
-#endif
-  const Reg even = WIDE_OP(madd_epi16)(reinterpret_cast<Reg>(w & 0x00ff00ffu), WIDE_OP(set1_epi32)(x2[0]));
-  const Reg odd =
-      WIDE_OP(madd_epi16)(reinterpret_cast<Reg>((w >> 8) & 0x00ff00ffu), WIDE_OP(set1_epi32)(x2[1]));
-#undef WIDE_OP
-  return acc + reinterpret_cast<IVec>(even) + reinterpret_cast<IVec>(odd);
-}
-#else
-constexpr bool kWidePairs = false;
-#endif
 
 // Where row r0's int8 codes, run scales and half-run/run sums start in the
 // layout of QuantizeRows (a pass's rows lie in one block of kRowBlock: r0 is a
