@@ -235,8 +235,8 @@ struct Problem {
   const float* xd = nullptr;    // [row blocks][runs][kRowBlock]
   const float* xh = nullptr;    // [row blocks][halves][kRowBlock]
   const float* xr = nullptr;    // [row blocks][runs][kRowBlock]
-  // With wide codes where PassQ8 sums them as int16 pairs (WidePairs): each int32
-  // of xq as two, its codes 0 and 2 then 1 and 3 as sign-extended int16 pairs.
+  // With 8-bit codes where PassQ8 multiplies them with DotWide (kWidePairs): each
+  // int32 of xq as its Int16Pairs.
   const int32_t* xw = nullptr;  // [row blocks][runs][kRun / 4][kRowBlock][2]
   float* y = nullptr;         // [rows, n]
   int64_t rows = 0;
@@ -413,6 +413,16 @@ inline UVec FieldBytes(UVec v, int shift, int width) {
   return (shift ? v >> shift : v) & mask;
 }
 
+// x's four int8 codes as two int32s of sign-extended int16 pairs: codes 0 and
+// 2, then codes 1 and 3 (vpmaddwd's operands for even and odd bytes).
+inline void Int16Pairs(int32_t x, int32_t pairs[2]) {
+  const auto code = [x](int t) {
+    return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int8_t>(x >> (8 * t))));
+  };
+  pairs[0] = static_cast<int32_t>(code(0) | code(2) << 16);
+  pairs[1] = static_cast<int32_t>(code(1) | code(3) << 16);
+}
+
 // acc + the sums, per lane, of its four unsigned bytes of w times the four
 // signed bytes of x. Wide: codes of 8 bits (else at most 7, so that a
 // saturating 16-bit pair sum, 2 * 127 * 127, cannot overflow).
@@ -445,12 +455,12 @@ inline IVec Dot4(IVec acc, UVec w, int32_t x) {
 #endif
   Reg sum;
   if constexpr (Wide) {
-    const auto code = [x](int t) { return static_cast<uint32_t>(static_cast<uint16_t>(
-                                       static_cast<int16_t>(static_cast<int8_t>(x >> (8 * t))))); };
+    int32_t pairs[2];
+    Int16Pairs(x, pairs);
     const Reg even = DOT4_OP(madd_epi16)(reinterpret_cast<Reg>(w & 0x00ff00ffu),
-                                         DOT4_OP(set1_epi32)(code(0) | code(2) << 16));
+                                         DOT4_OP(set1_epi32)(pairs[0]));
     const Reg odd = DOT4_OP(madd_epi16)(reinterpret_cast<Reg>((w >> 8) & 0x00ff00ffu),
-                                        DOT4_OP(set1_epi32)(code(1) | code(3) << 16));
+                                        DOT4_OP(set1_epi32)(pairs[1]));
     sum = DOT4_OP(add_epi32)(even, odd);
   } else {
     sum = DOT4_OP(madd_epi16)(DOT4_OP(maddubs_epi16)(reinterpret_cast<Reg>(w), DOT4_OP(set1_epi32)(x)),
@@ -1149,17 +1159,9 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, bool wide_pairs, Work
     }
   }
   if (!wide_pairs) return;
-  // Problem.xw: per four codes, codes 0 and 2, then 1 and 3, as int16 pairs.
+  // Problem.xw: each four codes as their Int16Pairs.
   work.xw.resize(work.xq.size() * 2);
-  for (size_t i = 0; i < work.xq.size(); ++i) {
-    const uint32_t four = static_cast<uint32_t>(work.xq[i]);
-    const auto code = [four](int t) {
-      return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int8_t>(four >> (8 * t))));
-    };
-    int32_t* out = &work.xw[2 * i];
-    out[0] = static_cast<int32_t>(code(0) | code(2) << 16);
-    out[1] = static_cast<int32_t>(code(1) | code(3) << 16);
-  }
+  for (size_t i = 0; i < work.xq.size(); ++i) Int16Pairs(work.xq[i], &work.xw[2 * i]);
 }
 
 // Rows of `in` per row of a group array with `rows` rows per matrix.
