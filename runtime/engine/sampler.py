@@ -99,9 +99,39 @@ def empty_sampling_metadata(num_seqs: int, vocab_size: int | None = None) -> Sam
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
-    """Pick one token per row of ``logits`` ([num_seqs, vocab], float32)."""
+    """Pick one token per row of ``logits`` ([num_seqs, vocab], float32).
+
+    A batch where every row is greedy and none has penalties, a bias, a grammar or logprobs
+    (what a greedy benchmark or a plain ``temperature=0`` client sends) takes one argmax pass
+    over the raw logits: the processing steps, each a conditional that passes the logits
+    through, cost more than the argmax on a CPU (0.53 against 1.15 ms for 16 rows of 49,152).
+    """
+    num_seqs, vocab = logits.shape
+    k = min(MAX_TOP_LOGPROBS, vocab)
+    penalized = (
+        (meta.repetition_penalty != 1.0)
+        | (meta.presence_penalty != 0.0)
+        | (meta.frequency_penalty != 0.0)
+    )
+    plain = jnp.all(meta.temperature == 0.0) & ~jnp.any(penalized)
+    plain &= ~jnp.any(meta.bias_ids >= 0) & ~jnp.any(meta.wants_logprobs)
+    if meta.allowed is not None:
+        plain &= ~jnp.any(meta.allowed != -1)
+
+    def argmax_only(logits: jax.Array) -> SamplerOutput:
+        return SamplerOutput(
+            _argmax(logits),
+            jnp.zeros(num_seqs, jnp.float32),
+            jnp.zeros((num_seqs, k), jnp.int32),
+            jnp.zeros((num_seqs, k), jnp.float32),
+        )
+
+    return jax.lax.cond(plain, argmax_only, lambda logits: _sample(logits, meta), logits)
+
+
+def _sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     processed = apply_allowed(apply_bias(apply_penalties(logits, meta), meta), meta.allowed)
-    greedy = _first_index(processed == jnp.max(processed, axis=-1, keepdims=True))
+    greedy = _argmax(processed)
     all_greedy = jnp.all(meta.temperature == 0.0)
     # The filtered draw is skipped entirely when every sequence is greedy.
     sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_filtered(processed, meta))
@@ -137,9 +167,13 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 def apply_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Add ``bias_values`` at ``bias_ids`` (padding ids are -1 and dropped)."""
     num_seqs, vocab = logits.shape
-    ids = jnp.where(meta.bias_ids >= 0, meta.bias_ids, vocab)
-    rows = jnp.arange(num_seqs)[:, None]
-    return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+
+    def add() -> jax.Array:
+        ids = jnp.where(meta.bias_ids >= 0, meta.bias_ids, vocab)
+        rows = jnp.arange(num_seqs)[:, None]
+        return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+
+    return jax.lax.cond(jnp.any(meta.bias_ids >= 0), add, lambda: logits)
 
 
 def apply_allowed(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
@@ -365,6 +399,26 @@ def _largest(w: jax.Array, lo: jax.Array, holds) -> jax.Array:  # [num_seqs] flo
 
     lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _argmax(x: jax.Array) -> jax.Array:  # [num_seqs] int32
+    """Per row, the lowest column holding the row's largest value (a row with a NaN has no
+    defined answer; ``vocab`` where no block matches). The row is read once, in blocks of ``DRAW_BLOCK``: each
+    block's largest value picks the first block that holds the row's, and the lowest column
+    within that block is the answer. (A comparison with the row's largest value followed by
+    a min-reduction over the row read it twice and took 0.85 ms for 16 rows of 49,152 on a
+    2-core CPU; this took 0.33.)"""
+    num_seqs, vocab = x.shape
+    num_blocks = -(-vocab // DRAW_BLOCK)
+    if num_blocks * DRAW_BLOCK != vocab:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * DRAW_BLOCK - vocab)), constant_values=-jnp.inf)
+    blocks = x.reshape(num_seqs, num_blocks, DRAW_BLOCK)
+    block_max = jnp.max(blocks, axis=-1)
+    top = jnp.max(block_max, axis=-1, keepdims=True)
+    block = _first_index(block_max == top)
+    row = jnp.take_along_axis(blocks, jnp.minimum(block, num_blocks - 1)[:, None, None], axis=1)
+    column = _first_index(row[:, 0] == top)
+    return jnp.where(block < num_blocks, block * DRAW_BLOCK + column, vocab).astype(jnp.int32)
 
 
 def _first_index(mask: jax.Array) -> jax.Array:  # [num_seqs] int32

@@ -23,6 +23,25 @@ def test_greedy_is_argmax():
     assert np.array_equal(np.asarray(sample(logits, meta(4))), np.argmax(logits, -1))
 
 
+@pytest.mark.parametrize("vocab", [50, 384, 1000])
+def test_greedy_takes_the_first_largest_whatever_else_the_batch_asks(vocab):
+    # Ties at the row's largest value (across and within blocks of 128 columns) and a row of
+    # -inf (every token banned); the same tokens come from the lone argmax pass (a plain
+    # greedy batch) and from the full processing (a row asking for logprobs).
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, [vocab // 3, vocab - 1]] = 9.0
+    x[2, [vocab - 2, vocab - 1]] = 9.0
+    x[3] = -np.inf
+    x[4, : vocab // 2] = -np.inf
+    expected = np.argmax(x, -1)
+    plain = meta(6)
+    asking = meta(6)
+    asking.wants_logprobs[0] = True
+    for m in (plain, asking):
+        assert np.array_equal(np.asarray(sample(jnp.asarray(x), m)), expected)
+
+
 def test_top_k_1_is_greedy_and_top_k_restricts_support():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((64, 30)), jnp.float32)
