@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_llm_runtime.models.batch import StepBatch
-from jax_llm_runtime.models.layers.linear import projection
+from jax_llm_runtime.models.layers.linear import project, projection
 from jax_llm_runtime.models.layers.norms import Norm, NormConfig, apply_norm
 from jax_llm_runtime.models.layers.params import (
     EMBED,
@@ -188,8 +188,8 @@ def project_qkv(
     position-scaled (when configured); k and v are None for a layer that reuses another's K/V."""
     cfg, lead = layer.cfg, x.shape[:-1]
     turns = positions if rope_positions is None else rope_positions
-    q = layer.wq(x) if q is None else q  # [..., num_heads * head_dim]
     if layer.wk is None:  # a layer that reuses another's K/V: its queries alone, as usual
+        q = layer.wq(x) if q is None else q  # [..., num_heads * head_dim]
         q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q = layer.q_norm(q, head_width(cfg, meta))
@@ -197,13 +197,17 @@ def project_qkv(
         if cfg.qk_l2_norm is not None:
             q = _l2_normed(cfg.qk_l2_norm, q, meta)
         return _position_scaled(cfg, q, positions, meta), None, None
-    k = layer.wk(x)  # [..., num_kv_heads * head_dim]
+    # One kernel call for the projections that share x, where packed weights allow it.
+    if q is None:
+        q, k, v = project(x, layer.wq, layer.wk, layer.wv)  # [..., heads * head_dim]
+    else:
+        k, v = project(x, layer.wk, layer.wv)
     normed = layer.q_norm is not None and layer.k_norm is not None
     if normed and cfg.qk_norm_all_heads:
         q, k = layer.q_norm(q), layer.k_norm(k)
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = layer.wv(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     width = head_width(cfg, meta)
     if normed and not cfg.qk_norm_all_heads:
         q, k = layer.q_norm(q, width), layer.k_norm(k, width)

@@ -50,6 +50,7 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul import (
     PackedLayer,
     PackedWeight,
     dequant_matmul,
+    dequant_matmul_group,
     dequantize,
 )
 from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import (
@@ -103,9 +104,44 @@ def linear(
         y = jnp.einsum(
             "...i,io->...o", x, weight.astype(x.dtype), preferred_element_type=jnp.float32
         )
+    return _biased(y, bias, out_dtype or x.dtype)
+
+
+def linear_group(
+    x: jax.Array,  # [..., in]
+    weights: Sequence[jax.Array | QuantizedWeight | PackedWeight | PackedLayer],  # [in, out_i]
+    biases: Sequence[jax.Array | None],  # [out_i] each
+    out_dtype: jnp.dtype | None = None,
+) -> list[jax.Array]:  # [..., out_i] each
+    """``linear`` of each weight on the same ``x``, the same values: packed weights with one
+    operand dtype go to ``dequant_matmul_group`` (one native kernel call where it takes them
+    all), anything else one by one."""
+    packed = all(isinstance(w, (PackedWeight, PackedLayer)) for w in weights)
+    if len(weights) < 2 or not packed or len({w.operand_dtype for w in weights}) != 1:
+        return [linear(x, w, b, out_dtype) for w, b in zip(weights, biases, strict=True)]
+    operand_dtype = weights[0].operand_dtype
+    int8 = int8_operands(x, operand_dtype)
+    operands = x if int8 else _operands(x, operand_dtype)
+    ys = dequant_matmul_group(operands, list(weights), int8_activations=int8)
+    return [_biased(y, b, out_dtype or x.dtype) for y, b in zip(ys, biases, strict=True)]
+
+
+def project(
+    x: jax.Array,  # [..., in]
+    *layers: Linear,
+    out_dtype: jnp.dtype | None = None,
+) -> list[jax.Array]:  # [..., out_i] each
+    """Each of ``layers`` applied to ``x`` (projections that share an input: a layer's q, k
+    and v, an MLP's gate and up), through ``linear_group``."""
+    weights = [layer.kernel.get_value() for layer in layers]
+    biases = [None if layer.bias is None else layer.bias.get_value() for layer in layers]
+    return linear_group(x, weights, biases, out_dtype)
+
+
+def _biased(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+    return y.astype(dtype)
 
 
 def int8_operands(x: jax.Array, operand_dtype: str | None) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_llm_runtime.models.layers.linear import projection
+from jax_llm_runtime.models.layers.linear import project, projection
 from jax_llm_runtime.models.layers.params import EMBED, FFN, Block
 
 # HF ``hidden_act`` names -> functions. The tanh approximations are distinct from exact GELU.
@@ -58,5 +58,6 @@ class MLP(Block):
         ``down(act(up(x)))``, with the projections' biases where declared."""
         act = ACTIVATIONS[self.activation]
         if self.w_gate is not None:
-            return self.w_down(act(self.w_gate(x)) * self.w_up(x))
+            gate, up = project(x, self.w_gate, self.w_up)
+            return self.w_down(act(gate) * up)
         return self.w_down(act(self.w_up(x)))

@@ -12,7 +12,11 @@ from jax_llm_runtime.pallas_kernels.dequant_matmul.formats import (
     PackedLayer,
     PackedWeight,
 )
-from jax_llm_runtime.pallas_kernels.dequant_matmul.ops import dequant_matmul, packed_head
+from jax_llm_runtime.pallas_kernels.dequant_matmul.ops import (
+    dequant_matmul,
+    dequant_matmul_group,
+    packed_head,
+)
 from jax_llm_runtime.pallas_kernels.dequant_matmul.reference import dequantize
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "PackedLayer",
     "PackedWeight",
     "dequant_matmul",
+    "dequant_matmul_group",
     "dequantize",
     "packed_head",
 ]

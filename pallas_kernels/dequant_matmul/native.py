@@ -55,17 +55,27 @@ _GROUP_DTYPES = {
 
 
 @functools.cache
-def _target() -> str | None:
-    """The registered FFI target's name, or None when the library is unavailable."""
+def _targets() -> tuple[str, str] | None:
+    """The registered FFI targets' names (one weight, a group of weights), or None when the
+    library is unavailable."""
     library = native.load("dequant_matmul")
     if library is None:
         return None
-    # The name follows the source, so an executable in the persistent compilation cache can
+    # The names follow the source, so an executable in the persistent compilation cache can
     # never call a handler built from another version of it.
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"runtime_dequant_matmul_{digest}"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(library.DequantMatmul), platform="cpu")
-    return name
+    names = (f"runtime_dequant_matmul_{digest}", f"runtime_dequant_matmul_group_{digest}")
+    for name, handler in zip(
+        names, (library.DequantMatmul, library.DequantMatmulGroup), strict=True
+    ):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return names
+
+
+def _target() -> str | None:
+    """The one-weight target's name, or None when the library is unavailable."""
+    targets = _targets()
+    return None if targets is None else targets[0]
 
 
 def available() -> bool:
@@ -116,6 +126,24 @@ def dequant_matmul(
     raises if the kernel is unavailable or does not read the weight (``supports``). With
     ``int8_activations`` x is rounded as ``reference.quantize_activations`` rounds it and the
     products are integer dots (VNNI where the CPU has it)."""
+    _check(x, w, layer)
+    target = _target()
+    if target is None:
+        raise RuntimeError(
+            "the native dequant-matmul kernel is unavailable (see the log); "
+            "call reference.dequant_matmul instead"
+        )
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32),
+        *_arrays(w),
+        **_attributes(w, int8_activations),
+    )
+
+
+def _check(x: jax.Array, w: PackedWeight, layer: jax.Array | int | None) -> None:
+    """Raise unless the kernel reads ``x @ w`` (see ``dequant_matmul``)."""
     stacked = w.planes[0].ndim == 3
     if stacked != (layer is not None):
         raise ValueError(
@@ -129,27 +157,72 @@ def dequant_matmul(
             f"the native kernel does not read this call (x {x.dtype}, weight {w.shape} of "
             f"{w.bits} bits with groups of {_group_sizes(w)} rows); use the reference"
         )
-    target = _target()
-    if target is None:
+
+
+def groupable(ws: list[PackedWeight]) -> bool:
+    """Whether ``dequant_matmul_group`` takes these weights together: one format (bit planes
+    and zero code), the same input width and all stacked or none."""
+    first = ws[0]
+    return all(
+        w.bits == first.bits
+        and w.zero == first.zero
+        and w.shape[-2] == first.shape[-2]
+        and w.planes[0].ndim == first.planes[0].ndim
+        for w in ws
+    )
+
+
+def dequant_matmul_group(
+    x: jax.Array,  # [num_tokens, in]
+    ws: list[PackedWeight],  # each [in, out_i], or [layers, in, out_i] with ``layer``
+    layer: jax.Array | int | None = None,
+    *,
+    int8_activations: bool = False,
+) -> list[jax.Array]:  # [num_tokens, out_i] float32 each
+    """``dequant_matmul`` of each weight in one kernel call (``groupable`` weights): x is
+    rounded once and the pool wakes once for all of them. Each result is the one
+    ``dequant_matmul`` gives for its weight alone."""
+    if not ws or not groupable(ws):
+        raise ValueError("a group call takes one or more weights of one format and input width")
+    for w in ws:
+        _check(x, w, layer)
+    targets = _targets()
+    if targets is None:
         raise RuntimeError(
             "the native dequant-matmul kernel is unavailable (see the log); "
             "call reference.dequant_matmul instead"
         )
-    planes = PLANES[w.bits]
-    none_u8 = jnp.zeros((0,), jnp.uint8)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32))
-    return call(
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call(targets[1], results)
+    arrays = [a for w in ws for a in _arrays(w)]
+    out = call(
         x.astype(jnp.float32),
         jnp.asarray(0 if layer is None else layer, jnp.int32),
+        *arrays,
+        **_attributes(ws[0], int8_activations),
+    )
+    return list(out)
+
+
+def _arrays(w: PackedWeight) -> list[jax.Array]:
+    """The weight's seven arrays in the kernel's order, [0]-shaped where it has none."""
+    none_u8 = jnp.zeros((0,), jnp.uint8)
+    return [
         w.planes[0],
-        w.planes[1] if len(planes) > 1 else none_u8,
+        w.planes[1] if len(PLANES[w.bits]) > 1 else none_u8,
         w.d,
         jnp.zeros((0,), jnp.int8) if w.sc is None else w.sc,
         none_u8 if w.z is None else w.z,
         jnp.zeros((0,), jnp.float16) if w.mn is None else w.mn,
         none_u8 if w.m is None else w.m,
-        bits0=np.int64(planes[0]),
-        bits1=np.int64(planes[1] if len(planes) > 1 else 0),
-        zero=np.int64(w.zero),
-        int8_x=np.int64(int8_activations),
-    )
+    ]
+
+
+def _attributes(w: PackedWeight, int8_activations: bool) -> dict[str, np.int64]:
+    planes = PLANES[w.bits]
+    return {
+        "bits0": np.int64(planes[0]),
+        "bits1": np.int64(planes[1] if len(planes) > 1 else 0),
+        "zero": np.int64(w.zero),
+        "int8_x": np.int64(int8_activations),
+    }

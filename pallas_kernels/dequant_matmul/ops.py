@@ -78,6 +78,37 @@ def dequant_matmul(
     return out.reshape(*lead, out.shape[-1])
 
 
+def dequant_matmul_group(
+    x: jax.Array,  # [..., in]
+    ws: list[PackedWeight | PackedLayer],  # each [in, out_i]
+    *,
+    impl: str = "auto",
+    int8_activations: bool = False,
+    native: bool = False,
+) -> list[jax.Array]:  # [..., out_i] float32 each
+    """``dequant_matmul`` of each weight on the same ``x``. Where the native kernel takes every
+    one of them and they share a format (``native.groupable``; the layers of one stack), one
+    kernel call runs them all: x is rounded once and the CPU pool wakes once (a layer's q, k and
+    v, or gate and up). Each result is the one ``dequant_matmul`` gives alone."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if len(ws) > 1 and all(
+        implementation(impl, flat, w, int8_activations, native) == "native" for w in ws
+    ):
+        stacks = [w.stack if isinstance(w, PackedLayer) else w for w in ws]
+        index = ws[0].index if isinstance(ws[0], PackedLayer) else None
+        same_index = all((w.index if isinstance(w, PackedLayer) else None) is index for w in ws)
+        if same_index and native_kernel.groupable(stacks):
+            outs = native_kernel.dequant_matmul_group(
+                flat, stacks, index, int8_activations=int8_activations
+            )
+            return [out.reshape(*lead, out.shape[-1]) for out in outs]
+    return [
+        dequant_matmul(x, w, impl=impl, int8_activations=int8_activations, native=native)
+        for w in ws
+    ]
+
+
 def implementation(
     impl: str,
     x: jax.Array,  # [rows, in]

@@ -1037,13 +1037,16 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
 // Items shared by the calling thread and the pool's tasks. Tasks hold it by
 // shared_ptr: one that starts after the call returned finds no item left and
 // touches nothing else.
+// One call's problems (one per weight; a group call's weights share x and its
+// rounding) and their work items, numbered one after another across problems.
 struct Work {
-  Problem problem;
+  std::vector<Problem> problems;
+  std::vector<int64_t> ends;  // problems[j]'s items end before ends[j]
   std::vector<float> xs;
   std::vector<int32_t> xq, xw;
   std::vector<float> xd, xh, xr;
-  std::vector<int64_t> starts;
-  std::vector<float> partials;
+  std::vector<std::vector<int64_t>> starts;   // per problem
+  std::vector<std::vector<float>> partials;   // per problem
   int64_t total = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -1053,7 +1056,9 @@ struct Work {
   void Run() {
     thread_local std::vector<float> out;
     for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
-      RunItem(problem, item, out);
+      size_t j = 0;
+      while (item >= ends[j]) ++j;
+      RunItem(problems[j], j == 0 ? item : item - ends[j - 1], out);
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mutex);
         finished.notify_all();
@@ -1167,27 +1172,23 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, bool wide_pairs, Work
 // Rows of `in` per row of a group array with `rows` rows per matrix.
 int64_t GroupSize(int64_t k, int64_t rows) { return rows > 0 ? k / rows : 0; }
 
-ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U8> plane0,
-                             ffi::Buffer<ffi::U8> plane1, ffi::Buffer<ffi::F16> d,
-                             ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> z,
-                             ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::U8> m,
-                             ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
-                             int64_t zero, int64_t int8_x) {
-  const auto xd = x.dimensions();
+// One weight's matrix at layer `layer` of its stack, checked against x's
+// width `k`; `starts` receives its group rows' offsets (Weight.starts).
+ffi::Error LoadWeight(ffi::Buffer<ffi::U8> plane0, ffi::Buffer<ffi::U8> plane1,
+                      ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> z,
+                      ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::U8> m, int64_t layer,
+                      int64_t bits0, int64_t bits1, int64_t zero, int64_t k,
+                      std::vector<int64_t>& starts, Weight& w) {
   const auto pd = plane0.dimensions();
-  if (xd.size() != 2 || (pd.size() != 2 && pd.size() != 3) ||
-      d.dimensions().size() != pd.size()) {
+  if ((pd.size() != 2 && pd.size() != 3) || d.dimensions().size() != pd.size()) {
     return ffi::Error::InvalidArgument(
         "dequant_matmul: x must be [rows, in] and the weight [(layers,) in, out]");
   }
   const int64_t layers = pd.size() == 3 ? pd[0] : 1;
-  const int64_t index = pd.size() == 3 ? layer.typed_data()[0] : 0;
+  const int64_t index = pd.size() == 3 ? layer : 0;
   if (index < 0 || index >= layers) {
     return ffi::Error::InvalidArgument("dequant_matmul: layer index out of range");
   }
-  auto work = std::make_shared<Work>();
-  Weight w;
   w.n = pd[pd.size() - 1];
   w.b0 = static_cast<int>(bits0);
   w.b1 = static_cast<int>(bits1);
@@ -1196,7 +1197,7 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   w.k = pd[pd.size() - 2] * 8 / w.b0;
   w.zero = static_cast<int>(zero);
-  if (xd[1] != w.k || w.k % kRun != 0) {
+  if (k != w.k || w.k % kRun != 0) {
     return ffi::Error::InvalidArgument("dequant_matmul: x's width does not match the weight");
   }
   // A group array's rows per matrix, and its data at the chosen layer.
@@ -1245,70 +1246,93 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   const int64_t halves = w.k / kHalf;
   const int64_t sizes[kArrays] = {w.gd, w.gs, w.gz, w.gmn, w.gm};
-  work->starts.resize(static_cast<size_t>(halves * kArrays));
+  starts.resize(static_cast<size_t>(halves * kArrays));
   for (int64_t h = 0; h < halves; ++h)
     for (int a = 0; a < kArrays; ++a)
-      work->starts[h * kArrays + a] = sizes[a] > 0 ? h * kHalf / sizes[a] * w.n : 0;
-  w.starts = work->starts.data();
+      starts[h * kArrays + a] = sizes[a] > 0 ? h * kHalf / sizes[a] * w.n : 0;
+  w.starts = starts.data();
+  return ffi::Error::Success();
+}
 
-  Problem& p = work->problem;
-  p.w = w;
-  p.x = x.typed_data();
-  p.y = y->typed_data();
-  p.rows = xd[0];
-  if (p.rows == 0 || w.n == 0) return ffi::Error::Success();
+// Runs work's problems (their weights and outputs set; every weight `k` wide)
+// on x's `rows` rows: x is rounded (int8_x) or summed once for all of them,
+// and their items spread over the pool together.
+ffi::Error Execute(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t k, bool int8_x,
+                   const std::shared_ptr<Work>& work) {
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t halves = k / kHalf;
+  const bool wide_pairs = int8_x && kWidePairs && work->problems[0].w.b0 + work->problems[0].w.b1 >= 8;
   if (int8_x) {
-    const bool wide_pairs = kWidePairs && w.b0 + w.b1 >= 8;
-    QuantizeRows(p.x, p.rows, w.k, wide_pairs, *work);
-    p.xq = work->xq.data();
-    p.xw = wide_pairs ? work->xw.data() : nullptr;
-    p.xd = work->xd.data();
-    p.xh = work->xh.data();
-    p.xr = work->xr.data();
+    QuantizeRows(x, rows, k, wide_pairs, *work);
   } else {
-    work->xs.resize(static_cast<size_t>(p.rows * halves));
-    for (int64_t r = 0; r < p.rows; ++r) {
+    work->xs.resize(static_cast<size_t>(rows * halves));
+    for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < halves; ++h) {
         float sum = 0.0f;
-        for (int i = 0; i < kHalf; ++i) sum += p.x[r * w.k + h * kHalf + i];
+        for (int i = 0; i < kHalf; ++i) sum += x[r * k + h * kHalf + i];
         work->xs[r * halves + h] = sum;
       }
     }
   }
-  p.xs = work->xs.data();
   // The calling thread and the pool's threads but one: as many workers as the
   // pool has threads (cores), since the calling thread is not one of them.
   // Handing items to the pool costs tens of microseconds (waking its threads),
   // so a small call runs on the calling thread alone.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = workers > 1 && w.k * w.n * (p.rows + 2) >= kParallelWork;
-  // A lone row of x whose plane rows are short reads them one after another
-  // (Stream), split over workers by runs; otherwise about four column blocks
-  // per worker, of whole vectors, a block of 128 columns or more a multiple of
-  // 128 (whole 64-byte lines of 4-bit codes), at most kMaxBlock.
-  p.stream = !int8_x && p.rows == 1 && w.n * w.b0 / 8 <= kStreamRowBytes;
-  if (p.stream) {
-    const int64_t runs = w.k / kRun;
-    p.vector_end = w.n / kLanes * kLanes;
-    p.item_runs = (runs + (parallel ? 2 * workers : 1) - 1) / (parallel ? 2 * workers : 1);
-    work->total = (runs + p.item_runs - 1) / p.item_runs;
-    work->partials.resize(static_cast<size_t>((work->total - 1) * p.vector_end));
-    p.partials = work->partials.data();
-  } else if (int8_x && p.rows == 1) {
-    // Two chunks per worker, of whole 64-column stretches, at most kStreamCols.
-    const int64_t parts = parallel ? 2 * workers : 1;
-    const int64_t chunk = (w.n + parts - 1) / parts;
-    p.block = std::min<int64_t>(kStreamCols, (chunk + 63) / 64 * 64);
-    p.lone_q8 = true;
-    work->total = (w.n + p.block - 1) / p.block;
-  } else {
-    int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
-    block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
-                         : (block + kLanes - 1) / kLanes * kLanes;
-    p.block =
-        parallel ? block : std::min<int64_t>(kMaxBlock, (w.n + kLanes - 1) / kLanes * kLanes);
-    work->total = (w.n + p.block - 1) / p.block;
+  int64_t size = 0;
+  for (const Problem& p : work->problems) size += p.w.k * p.w.n * (rows + 2);
+  const bool parallel = workers > 1 && size >= kParallelWork;
+  work->partials.resize(work->problems.size());
+  for (size_t j = 0; j < work->problems.size(); ++j) {
+    Problem& p = work->problems[j];
+    const Weight& w = p.w;
+    p.x = x;
+    p.rows = rows;
+    p.xs = work->xs.data();
+    if (int8_x) {
+      p.xq = work->xq.data();
+      p.xw = wide_pairs ? work->xw.data() : nullptr;
+      p.xd = work->xd.data();
+      p.xh = work->xh.data();
+      p.xr = work->xr.data();
+    }
+    int64_t items = 0;
+    // A lone row of x whose plane rows are short reads them one after another
+    // (Stream), split over workers by runs; otherwise about four column blocks
+    // per worker, of whole vectors, a block of 128 columns or more a multiple of
+    // 128 (whole 64-byte lines of 4-bit codes), at most kMaxBlock. Only the
+    // split by runs changes the order of a column's sums: it follows the weight's
+    // own size, so that a weight gives the same bits alone and in a group.
+    p.stream = !int8_x && rows == 1 && w.n * w.b0 / 8 <= kStreamRowBytes;
+    if (w.n == 0) {
+      items = 0;
+    } else if (p.stream) {
+      const int64_t runs = w.k / kRun;
+      const int64_t parts = workers > 1 && w.k * w.n * 3 >= kParallelWork ? 2 * workers : 1;
+      p.vector_end = w.n / kLanes * kLanes;
+      p.item_runs = (runs + parts - 1) / parts;
+      items = (runs + p.item_runs - 1) / p.item_runs;
+      work->partials[j].resize(static_cast<size_t>((items - 1) * p.vector_end));
+      p.partials = work->partials[j].data();
+    } else if (int8_x && rows == 1) {
+      // Two chunks per worker, of whole 64-column stretches, at most kStreamCols.
+      const int64_t parts = parallel ? 2 * workers : 1;
+      const int64_t chunk = (w.n + parts - 1) / parts;
+      p.block = std::min<int64_t>(kStreamCols, (chunk + 63) / 64 * 64);
+      p.lone_q8 = true;
+      items = (w.n + p.block - 1) / p.block;
+    } else {
+      int64_t block = (w.n + 4 * workers - 1) / (4 * workers);
+      block = block >= 128 ? std::min<int64_t>(kMaxBlock, (block + 127) / 128 * 128)
+                           : (block + kLanes - 1) / kLanes * kLanes;
+      p.block =
+          parallel ? block : std::min<int64_t>(kMaxBlock, (w.n + kLanes - 1) / kLanes * kLanes);
+      items = (w.n + p.block - 1) / p.block;
+    }
+    work->total += items;
+    work->ends.push_back(work->total);
   }
+  if (work->total == 0) return ffi::Error::Success();
   const int64_t helpers = parallel ? std::min<int64_t>(workers - 1, work->total - 1) : 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
@@ -1316,18 +1340,91 @@ ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int spin = 0; spin < kSpins && work->done.load() != work->total; ++spin) Pause();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->finished.wait(lock, [&] { return work->done.load() == work->total; });
-  if (p.stream) {
-    for (int64_t i = 0; i + 1 < work->total; ++i) {
+  for (size_t j = 0; j < work->problems.size(); ++j) {
+    Problem& p = work->problems[j];
+    if (!p.stream) continue;
+    const int64_t items = work->ends[j] - (j == 0 ? 0 : work->ends[j - 1]);
+    for (int64_t i = 0; i + 1 < items; ++i) {
       const float* part = p.partials + i * p.vector_end;
       for (int64_t c = 0; c < p.vector_end; ++c) p.y[c] += part[c];
     }
-    if (p.vector_end < w.n) TailColumns(p, p.vector_end, w.n);
+    if (p.vector_end < p.w.n) TailColumns(p, p.vector_end, p.w.n);
   }
   return ffi::Error::Success();
 }
 
+ffi::Error DequantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U8> plane0,
+                             ffi::Buffer<ffi::U8> plane1, ffi::Buffer<ffi::F16> d,
+                             ffi::Buffer<ffi::S8> sc, ffi::Buffer<ffi::U8> z,
+                             ffi::Buffer<ffi::F16> mn, ffi::Buffer<ffi::U8> m,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
+                             int64_t zero, int64_t int8_x) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "dequant_matmul: x must be [rows, in] and the weight [(layers,) in, out]");
+  }
+  auto work = std::make_shared<Work>();
+  work->problems.resize(1);
+  work->starts.resize(1);
+  Problem& p = work->problems[0];
+  const int64_t index = layer.element_count() > 0 ? layer.typed_data()[0] : 0;
+  ffi::Error loaded = LoadWeight(plane0, plane1, d, sc, z, mn, m, index, bits0, bits1, zero,
+                                 xd[1], work->starts[0], p.w);
+  if (loaded.failure()) return loaded;
+  p.y = y->typed_data();
+  return Execute(pool, x.typed_data(), xd[0], xd[1], int8_x != 0, work);
+}
+
+// Several weights of one format (the same bit planes and zero code) times one
+// x: each weight's seven arrays in DequantMatmul's order follow x and the layer
+// index, and each gives one result [rows, its out]. Projections that share an
+// input (a layer's q, k and v; gate and up) go in one call: x is rounded once
+// and the pool wakes once for all of them.
+ffi::Error DequantMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                  ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs arrays,
+                                  ffi::RemainingRets ys, int64_t bits0, int64_t bits1,
+                                  int64_t zero, int64_t int8_x) {
+  const auto xd = x.dimensions();
+  const size_t count = ys.size();
+  if (xd.size() != 2 || count == 0 || arrays.size() != 7 * count) {
+    return ffi::Error::InvalidArgument(
+        "dequant_matmul_group: x [rows, in], then seven arrays per weight, one result each");
+  }
+  auto work = std::make_shared<Work>();
+  work->problems.resize(count);
+  work->starts.resize(count);
+  const int64_t index = layer.element_count() > 0 ? layer.typed_data()[0] : 0;
+  for (size_t j = 0; j < count; ++j) {
+    const size_t a = 7 * j;
+    auto plane0 = arrays.get<ffi::Buffer<ffi::U8>>(a);
+    auto plane1 = arrays.get<ffi::Buffer<ffi::U8>>(a + 1);
+    auto d = arrays.get<ffi::Buffer<ffi::F16>>(a + 2);
+    auto sc = arrays.get<ffi::Buffer<ffi::S8>>(a + 3);
+    auto z = arrays.get<ffi::Buffer<ffi::U8>>(a + 4);
+    auto mn = arrays.get<ffi::Buffer<ffi::F16>>(a + 5);
+    auto m = arrays.get<ffi::Buffer<ffi::U8>>(a + 6);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (!plane0.has_value() || !plane1.has_value() || !d.has_value() || !sc.has_value() ||
+        !z.has_value() || !mn.has_value() || !m.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("dequant_matmul_group: an array of the wrong type");
+    }
+    Problem& p = work->problems[j];
+    ffi::Error loaded = LoadWeight(*plane0, *plane1, *d, *sc, *z, *mn, *m, index, bits0, bits1,
+                                   zero, xd[1], work->starts[j], p.w);
+    if (loaded.failure()) return loaded;
+    p.y = (*y)->typed_data();
+    if (static_cast<int64_t>((*y)->element_count()) != xd[0] * p.w.n) {
+      return ffi::Error::InvalidArgument("dequant_matmul_group: a result of the wrong shape");
+    }
+  }
+  return Execute(pool, x.typed_data(), xd[0], xd[1], int8_x != 0, work);
+}
+
 }  // namespace dequant_matmul
 
+using dequant_matmul::DequantMatmulGroupImpl;
 using dequant_matmul::DequantMatmulImpl;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
@@ -1343,6 +1440,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmul, DequantMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F16>>()  // mn ([0]: none)
                                   .Arg<ffi::Buffer<ffi::U8>>()   // m ([0]: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [rows, out]
+                                  .Attr<int64_t>("bits0")
+                                  .Attr<int64_t>("bits1")
+                                  .Attr<int64_t>("zero")
+                                  .Attr<int64_t>("int8_x"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantMatmulGroup, DequantMatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, in]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [] (stacked weights)
+                                  .RemainingArgs()  // seven arrays per weight
+                                  .RemainingRets()  // y [rows, out] per weight
                                   .Attr<int64_t>("bits0")
                                   .Attr<int64_t>("bits1")
                                   .Attr<int64_t>("zero")

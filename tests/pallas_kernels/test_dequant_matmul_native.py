@@ -180,6 +180,54 @@ def test_layer_scan_calls_the_kernel_on_the_whole_stack():
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_group_call_gives_each_weight_its_own_result(qtype, int8):
+    # Projections that share x (q, k, v of different widths) in one call: each result is the
+    # one-weight call's, bit for bit, for a lone row (the float stream and int8 lone paths),
+    # a batch and a prefill-sized call. The widest makes the calls spread over the pool (a
+    # lone row too with the 256-row blocks), items of every weight taken in one sequence.
+    ws = [host_weight(qtype, out=n, seed=i).to_device() for i, n in enumerate((96, 40, 2000))]
+    group = jax.jit(functools.partial(native.dequant_matmul_group, int8_activations=int8))
+    for num_tokens in (1, 16, 33):
+        x = tokens(num_tokens, ws[0].shape[0], seed=num_tokens)
+        outs = group(x, ws)
+        assert [o.shape for o in outs] == [(num_tokens, w.shape[-1]) for w in ws]
+        for out, w in zip(outs, ws, strict=True):
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(run_native(x, w, int8=int8)))
+
+
+@needs_kernel
+def test_a_layer_scan_groups_the_projections_of_one_format():
+    # ops.dequant_matmul_group inside a layer scan: stacks of one format go in one group call;
+    # a weight of another format is called on its own; every result matches the reference.
+    q4 = [stack([host_weight(T.Q4_1, out=n, seed=10 * n + i) for i in range(2)]) for n in (64, 32)]
+    q8 = stack([host_weight(T.Q8_0, out=48, seed=i) for i in range(2)])
+    ws = [w.to_device() for w in (*q4, q8)]
+    x = tokens(5, ws[0].shape[-2])
+
+    def scan(x, ws):
+        def body(carry, index):
+            return carry, ops.dequant_matmul_group(x, [PackedLayer(w, index) for w in ws])
+
+        return jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32))[1]
+
+    outs = jax.jit(scan)(x, ws[:2])
+    for layer in range(2):
+        for out, w in zip(outs, ws[:2], strict=True):
+            matrix = PackedLayer(w, jnp.int32(layer)).matrix()
+            assert_close(out[layer], reference.dequant_matmul(x, matrix))
+    hlo = jax.jit(scan).lower(x, ws[:2]).compile().as_text()
+    assert hlo.count('custom_call_target="runtime_dequant_matmul_group_') == 1
+    assert not native.groupable(ws[1:])
+    mixed = jax.jit(scan)(x, ws[1:])
+    for out, w in zip(mixed, ws[1:], strict=True):
+        assert_close(out[1], reference.dequant_matmul(x, PackedLayer(w, jnp.int32(1)).matrix()))
+    hlo = jax.jit(scan).lower(x, ws[1:]).compile().as_text()
+    assert "runtime_dequant_matmul_group_" not in hlo
+
+
+@needs_kernel
 @pytest.mark.parametrize("z_shape", [(2, 96), (1, 1)], ids=["per_group", "one"])
 def test_gptq_zero_points(z_shape):
     w, _ = gptq_weight(z_shape)
