@@ -18,6 +18,10 @@ multiply and subtract fused, and only the order of the sums differs. Activations
 in float32 (bfloat16 or float16 ones are widened exactly, and the weight is not rounded to their
 dtype as the reference does).
 
+``dequant_matmul_group`` multiplies one x by several weights of one format in one call (a
+layer's q, k and v; gate and up): x is rounded once and the pool wakes once, and each result
+has the bits of its weight's own call.
+
 ``int8_activations=True`` (``--matmul-dtype int8``) rounds x in the kernel exactly as
 ``reference.quantize_activations`` does (int8 codes, one scale per 32 values) and multiplies with
 integer dot products: with AVX512-VNNI one instruction adds 64 code products where the float

@@ -39,6 +39,10 @@
 // layer chosen by an operand, so that the decoder's layer scan passes the
 // whole stack and no per-layer slice is copied.
 //
+// DequantMatmulGroup takes several weights of one format with the same x (a
+// layer's q, k and v): x is rounded once, and the work items of all of them
+// go through one counter, so the pool wakes once per group.
+//
 // The file is one translation unit, or several that compile in parallel and
 // link into one library (pallas_kernels/native: PARTS): NATIVE_PART=0 is the
 // handler with everything but the passes, and NATIVE_PART=b0*16+b1 the passes
