@@ -1075,13 +1075,57 @@ struct Work {
 // holds an infinity or NaN, so that its outputs are NaN) and q = x / d rounded
 // to nearest, ties to even (reference.quantize_activations computes the same
 // codes). Returns d; sums gets the codes' sums over each half run.
-float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
+// The largest |value| of a run, and whether all of its values are finite (the
+// largest is exact either way; a scalar loop took 20 ns a run, most of the
+// rounding's time).
+inline float RunAmax(const float* src, bool& finite) {
+#if defined(__AVX512F__)
+  const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(src));
+  const __m512 a1 = _mm512_abs_ps(_mm512_loadu_ps(src + 16));
+  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+  finite = (_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) ==
+           0xffff;
+  return _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+#elif defined(__AVX2__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 m = _mm256_setzero_ps();
+  int ok = 0xff;
+  for (int u = 0; u < 4; ++u) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(src + 8 * u), abs_mask);
+    ok &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for inf and NaN
+    m = _mm256_max_ps(m, a);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  finite = ok == 0xff;
+  return _mm_cvtss_f32(h);
+#elif defined(__ARM_NEON)
+  const float32x4_t big = vdupq_n_f32(std::numeric_limits<float>::max());
+  float32x4_t m = vdupq_n_f32(0.0f);
+  uint32x4_t ok = vdupq_n_u32(~0u);
+  for (int u = 0; u < 8; ++u) {
+    const float32x4_t a = vabsq_f32(vld1q_f32(src + 4 * u));
+    ok = vandq_u32(ok, vcleq_f32(a, big));  // false for inf and NaN
+    m = vmaxq_f32(m, a);
+  }
+  finite = vminvq_u32(ok) != 0;
+  return vmaxvq_f32(m);
+#else
   float amax = 0.0f;
-  bool finite = true;
+  finite = true;
   for (int i = 0; i < kRun; ++i) {
     amax = std::max(amax, std::fabs(src[i]));
     finite = finite && std::isfinite(src[i]);
   }
+  return amax;
+#endif
+}
+
+float QuantizeRun(const float* src, int8_t* dst, int32_t sums[2]) {
+  bool finite = true;
+  const float amax = RunAmax(src, finite);
   const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
   sums[0] = sums[1] = 0;
   if (!(d > 0.0f)) {
