@@ -76,15 +76,20 @@ def _targets() -> tuple[str, str] | None:
     return names
 
 
-def _target() -> str | None:
-    """The one-weight target's name, or None when the library is unavailable."""
+def _required() -> tuple[str, str]:
+    """``_targets()``; raises when the library is unavailable."""
     targets = _targets()
-    return None if targets is None else targets[0]
+    if targets is None:
+        raise RuntimeError(
+            "the native dequant-matmul kernel is unavailable (see the log); "
+            "call reference.dequant_matmul instead"
+        )
+    return targets
 
 
 def available() -> bool:
     """Whether the native kernel is built and registered (building it on first call)."""
-    return _target() is not None
+    return _targets() is not None
 
 
 def _group_sizes(w: PackedWeight) -> list[int]:
@@ -131,13 +136,9 @@ def dequant_matmul(
     ``int8_activations`` x is rounded as ``reference.quantize_activations`` rounds it and the
     products are integer dots (VNNI where the CPU has it)."""
     _check(x, w, layer)
-    target = _target()
-    if target is None:
-        raise RuntimeError(
-            "the native dequant-matmul kernel is unavailable (see the log); "
-            "call reference.dequant_matmul instead"
-        )
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32))
+    call = jax.ffi.ffi_call(
+        _required()[0], jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
+    )
     return call(
         x.astype(jnp.float32),
         jnp.asarray(0 if layer is None else layer, jnp.int32),
@@ -190,14 +191,8 @@ def dequant_matmul_group(
         raise ValueError("a group call takes one or more weights of one format and input width")
     for w in ws:
         _check(x, w, layer)
-    targets = _targets()
-    if targets is None:
-        raise RuntimeError(
-            "the native dequant-matmul kernel is unavailable (see the log); "
-            "call reference.dequant_matmul instead"
-        )
     results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32) for w in ws]
-    call = jax.ffi.ffi_call(targets[1], results)
+    call = jax.ffi.ffi_call(_required()[1], results)
     arrays = [a for w in ws for a in _arrays(w)]
     out = call(
         x.astype(jnp.float32),

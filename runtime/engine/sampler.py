@@ -108,12 +108,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """
     num_seqs, vocab = logits.shape
     k = min(MAX_TOP_LOGPROBS, vocab)
-    penalized = (
-        (meta.repetition_penalty != 1.0)
-        | (meta.presence_penalty != 0.0)
-        | (meta.frequency_penalty != 0.0)
-    )
-    plain = jnp.all(meta.temperature == 0.0) & ~jnp.any(penalized)
+    plain = jnp.all(meta.temperature == 0.0) & ~jnp.any(_penalized(meta))
     plain &= ~jnp.any(meta.bias_ids >= 0) & ~jnp.any(meta.wants_logprobs)
     if meta.allowed is not None:
         plain &= ~jnp.any(meta.allowed != -1)
@@ -141,11 +136,7 @@ def _sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Repetition penalty on tokens seen in ``history``; presence/frequency on its output part."""
-    active = (
-        (meta.repetition_penalty != 1.0)
-        | (meta.presence_penalty != 0.0)
-        | (meta.frequency_penalty != 0.0)
-    )
+    active = _penalized(meta)
 
     def penalize() -> jax.Array:
         num_seqs, vocab = logits.shape
@@ -162,6 +153,14 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
         return out - meta.presence_penalty[:, None] * (counts > 0)
 
     return jax.lax.cond(jnp.any(active), penalize, lambda: logits)
+
+
+def _penalized(meta: SamplingMetadata) -> jax.Array:  # [num_seqs] bool
+    return (
+        (meta.repetition_penalty != 1.0)
+        | (meta.presence_penalty != 0.0)
+        | (meta.frequency_penalty != 0.0)
+    )
 
 
 def apply_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:

@@ -300,7 +300,7 @@ def test_ops_dispatch(monkeypatch):
 
 
 def test_falls_back_to_the_reference_without_the_library(monkeypatch):
-    monkeypatch.setattr(native, "_target", lambda: None)
+    monkeypatch.setattr(native, "_targets", lambda: None)
     stacked = stack([host_weight(T.Q4_1, seed=i) for i in range(2)]).to_device()
     layer = PackedLayer(stacked, jnp.int32(0))
     x = tokens(3, stacked.shape[-2])
@@ -311,3 +311,11 @@ def test_falls_back_to_the_reference_without_the_library(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="unavailable"):
         native.dequant_matmul(x, stacked, 0)
+    other = PackedLayer(stacked, jnp.int32(1))
+    grouped = ops.dequant_matmul_group(x, [layer, other])
+    np.testing.assert_array_equal(np.asarray(grouped[0]), expected)
+    np.testing.assert_array_equal(
+        np.asarray(grouped[1]), np.asarray(reference.dequant_matmul(x, other.matrix()))
+    )
+    with pytest.raises(RuntimeError, match="unavailable"):
+        native.dequant_matmul_group(x, [stacked, stacked], 0)
