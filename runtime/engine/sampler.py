@@ -114,12 +114,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         plain &= ~jnp.any(meta.allowed != -1)
 
     def argmax_only(logits: jax.Array) -> SamplerOutput:
-        return SamplerOutput(
-            _argmax(logits),
-            jnp.zeros(num_seqs, jnp.float32),
-            jnp.zeros((num_seqs, k), jnp.int32),
-            jnp.zeros((num_seqs, k), jnp.float32),
-        )
+        return SamplerOutput(_argmax(logits), *_no_logprobs(num_seqs, k))
 
     return jax.lax.cond(plain, argmax_only, lambda logits: _sample(logits, meta), logits)
 
@@ -199,15 +194,19 @@ def _with_logprobs(processed: jax.Array, tokens: jax.Array, wants: jax.Array) ->
         chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         return chosen, top_ids.astype(jnp.int32), top_values
 
-    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (
-            jnp.zeros(num_seqs, jnp.float32),
-            jnp.zeros((num_seqs, k), jnp.int32),
-            jnp.zeros((num_seqs, k), jnp.float32),
-        )
-
-    chosen, top_ids, top_values = jax.lax.cond(jnp.any(wants), compute, skip)
+    chosen, top_ids, top_values = jax.lax.cond(
+        jnp.any(wants), compute, lambda: _no_logprobs(num_seqs, k)
+    )
     return SamplerOutput(tokens, chosen, top_ids, top_values)
+
+
+def _no_logprobs(num_seqs: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Zeros in place of the logprobs, top ids and top logprobs when no row asked."""
+    return (
+        jnp.zeros(num_seqs, jnp.float32),
+        jnp.zeros((num_seqs, k), jnp.int32),
+        jnp.zeros((num_seqs, k), jnp.float32),
+    )
 
 
 # Top-k and top-p cuts are read from each row's largest weights (``lax.top_k``): the first
