@@ -102,6 +102,9 @@ constexpr int64_t kStreamCols = 8192;
 // over the thread pool; below it, the calling thread runs it alone.
 constexpr int64_t kParallelWork = int64_t{1} << 21;
 constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread sleeps
+// RunItem's copy of a block prefetches the plane rows this far ahead of the
+// four it transposes (into L2: prefetcht1).
+constexpr int64_t kCopyAhead = 16;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -640,6 +643,61 @@ void PassQ8(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __res
   }
 }
 
+#if defined(DQM_PAIR_SUMS)
+// PassQ8 for 8-bit codes (one plane) where they go through DotWide. Eight rows
+// of PassQ8 keep 16 vectors of sums and outputs in registers, all AVX2 has,
+// and GCC unpacked a whole run's codes ahead of the dots besides, spilling to
+// the stack; here the outputs live in `out` (Rows vectors) and the codes go
+// one quad at a time. The integer dots and the float operations on y are
+// PassQ8's, in its order, so the results are the same bits.
+template <int Rows, bool Fine>
+void PassQ8Wide(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
+  constexpr int kGroup = Fine ? kHalf : kRun;
+  const Weight& w = p.w;
+  const int64_t runs = w.k / kRun;
+  const RowsQ8 x = RowsQ8At(p, r0);
+  for (int64_t c = col; c < end; c += kLanes) {
+    for (int r = 0; r < Rows; ++r) Store(out + r * kLanes, Vec{});
+    for (int64_t run = 0; run < runs; ++run) {
+      for (int g = 0; g < kRun; g += kGroup) {
+        IVec acc[Rows];
+        for (int r = 0; r < Rows; ++r) acc[r] = IVec{};
+#pragma GCC unroll 1
+        for (int i = g; i < g + kGroup; i += 4) {
+          const UVec q = CopiedQuad(w, w.p0, run * kRun + i, c);
+          const int32_t* xw = x.xw + (run * kQuads + i / 4) * kRowBlock * 2;
+#pragma GCC unroll 8
+          for (int r = 0; r < Rows; ++r) acc[r] = DotWide(acc[r], q, xw + r * 2);
+        }
+        const int half = 2 * run + g / kHalf;
+        Vec s, o;
+        Factors(w, RowsOf(w, half), c, s, o);
+        for (int r = 0; r < Rows; ++r) {
+          Vec y = Load(out + r * kLanes);
+          y += ToFloat(acc[r]) * Splat(x.xd[run * kRowBlock + r]) * s;
+          if (w.offset)
+            y -= o * Splat(Fine ? x.xh[half * kRowBlock + r] : x.xr[run * kRowBlock + r]);
+          Store(out + r * kLanes, y);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) Store(p.y + (r0 + r) * w.n + c, Load(out + r * kLanes));
+  }
+}
+#endif
+
+// PassQ8, or PassQ8Wide where it applies.
+template <int B0, int B1, int Rows, bool Fine>
+void PassQ8For(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __restrict out) {
+#if defined(DQM_PAIR_SUMS)
+  if constexpr (B0 == 8 && B1 == 0) {
+    PassQ8Wide<Rows, Fine>(p, col, end, r0, out);
+    return;
+  }
+#endif
+  PassQ8<B0, B1, Rows, Fine>(p, col, end, r0, out);
+}
+
 // PassQ8 for one row of x (the last row of a batch that leaves one; a lone
 // row of a call goes through PassQ8Lone), kWide column vectors at a time: each plane row's
 // reads are then whole 64-byte lines (4 x 16 bytes on AVX-512), and the
@@ -788,10 +846,10 @@ Passes MakePasses() {
                  Pass<B0, B1, 8, true>},
                 {Pass<B0, B1, 1, false>, Pass<B0, B1, 2, false>, Pass<B0, B1, 4, false>,
                  Pass<B0, B1, 8, false>},
-                {PassQ8One<B0, B1, true>, PassQ8<B0, B1, 2, true>, PassQ8<B0, B1, 4, true>,
-                 PassQ8<B0, B1, 8, true>},
-                {PassQ8One<B0, B1, false>, PassQ8<B0, B1, 2, false>, PassQ8<B0, B1, 4, false>,
-                 PassQ8<B0, B1, 8, false>},
+                {PassQ8One<B0, B1, true>, PassQ8For<B0, B1, 2, true>, PassQ8For<B0, B1, 4, true>,
+                 PassQ8For<B0, B1, 8, true>},
+                {PassQ8One<B0, B1, false>, PassQ8For<B0, B1, 2, false>,
+                 PassQ8For<B0, B1, 4, false>, PassQ8For<B0, B1, 8, false>},
                 PassQ8Lone<B0, B1>};
 }
 
@@ -1003,7 +1061,11 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
   // four rows at a time along the block, which also serves every pass after
   // the first. The copy holds each four rows transposed as Gather4 gives them,
   // so a pass loads each lane's four codes at once: with 16 rows of x (two
-  // passes) the transposes are done once, not twice.
+  // passes) the transposes are done once, not twice. The block's plane rows
+  // are short stretches (its width) far apart, which the hardware prefetchers
+  // do not run ahead on: read from memory, the copy stalled on each one (a
+  // fifth of a 16-sequence step's time on AVX2), so it prefetches the rows
+  // kCopyAhead ahead of those it transposes.
   Problem copy;
   const Problem* q = &p;
   if (p.xq && vector_end > col) {
@@ -1012,11 +1074,17 @@ void RunItem(const Problem& p, int64_t item, std::vector<float>& out) {
     const int64_t rows0 = p.w.k * p.w.b0 / 8, rows1 = p.w.k * p.w.b1 / 8;
     panel.resize(static_cast<size_t>((rows0 + rows1) * width));
     const auto transpose = [&](const uint8_t* plane, int64_t rows, uint8_t* dst) {
-      for (int64_t r = 0; r < rows; r += 4)
+      for (int64_t r = 0; r < rows; r += 4) {
+        for (int64_t a = r + kCopyAhead; a < std::min(rows, r + kCopyAhead + 4); ++a) {
+          const uint8_t* ahead = plane + a * p.w.n;
+          for (int64_t c = col; c < vector_end; c += 64) __builtin_prefetch(ahead + c, 0, 2);
+          __builtin_prefetch(ahead + vector_end - 1, 0, 2);
+        }
         for (int64_t c = col; c < vector_end; c += kLanes) {
           const UVec v = Gather4(plane + r * p.w.n + c, p.w.n);
           std::memcpy(dst + (r / 4 * width + (c - col)) * 4, &v, sizeof v);
         }
+      }
     };
     transpose(p.w.p0, rows0, panel.data());
     transpose(p.w.p1, rows1, panel.data() + rows0 * width);
