@@ -22,7 +22,9 @@ def test_cases_parse_and_bad_ones_are_named():
             tool.parse_cases(bad)
 
 
-@pytest.mark.skipif(not native.available(), reason="the native kernel could not be built here")
+@pytest.mark.skipif(
+    not native.available(), reason="the native kernel could not be built here (no C++ compiler?)"
+)
 def test_the_tool_prints_a_row_per_case_and_row_count(capsys, monkeypatch):
     tool = load_tool("bench_dequant_matmul.py")
     argv = ["bench_dequant_matmul.py", "--rows", "1,3", "--cases", "Q8_0:40x64,Q4_1:16x32"]
