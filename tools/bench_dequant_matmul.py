@@ -76,6 +76,8 @@ def main() -> int:
     try:
         cases = parse_cases(args.cases)
         rows = [int(r) for r in args.rows.split(",")]
+        if min(rows) < 1:
+            raise ValueError(f"--rows {args.rows!r}: each must be 1 or more")
     except ValueError as exc:
         print(f"bench_dequant_matmul: {exc}", file=sys.stderr)
         return 2

@@ -40,8 +40,11 @@ def test_the_tool_prints_a_row_per_case_and_row_count(capsys, monkeypatch):
     assert all(float(r[3]) > 0 and float(r[4]) > 0 and r[6].endswith("x") for r in rows)
 
 
-def test_a_bad_case_is_a_one_line_error(capsys, monkeypatch):
+def test_a_bad_case_or_row_count_is_a_one_line_error(capsys, monkeypatch):
     tool = load_tool("bench_dequant_matmul.py")
     monkeypatch.setattr(sys, "argv", ["bench_dequant_matmul.py", "--cases", "Q9:1x32"])
     assert tool.main() == 2
     assert capsys.readouterr().err.startswith("bench_dequant_matmul: 'Q9:1x32'")
+    monkeypatch.setattr(sys, "argv", ["bench_dequant_matmul.py", "--rows", "16,0"])
+    assert tool.main() == 2
+    assert capsys.readouterr().err.startswith("bench_dequant_matmul: --rows '16,0'")
