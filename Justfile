@@ -36,9 +36,10 @@ browser:
 serve *ARGS: setup
     {{venv}}/bin/runtime-serve {{ARGS}}
 
-# Run the test suite (all tests, slow and e2e included).
+# Run the test suite (all tests, slow and e2e included) in TEST_WORKERS processes (default 2),
+# each taking whole test files, so a module's fixtures load once; TEST_WORKERS=0 runs in this one.
 test *ARGS: setup browser
-    {{venv}}/bin/pytest {{ARGS}}
+    {{venv}}/bin/pytest -n "${TEST_WORKERS:-2}" --dist loadfile {{ARGS}}
 
 # The soak test alone, printing its figures: 300 requests at concurrency 32 with forced preemption
 # and client disconnects (it also runs as part of `just test`).
