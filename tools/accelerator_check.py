@@ -25,6 +25,8 @@ and its result lands in ``DIR/accelerator_check.json``; ``DIR/accelerator_check.
    kernels forced (``--pallas``), at 1 and 64 sequences of 1,024 positions each, with the
    memory-bandwidth utilization of each step: the bytes a step must read (every weight but the
    embedding table, plus the KV cache of every sequence) over the step time and the device's peak.
+   ``--step-xla-flags FLAGS`` adds the bfloat16 runs again with FLAGS appended to ``XLA_FLAGS``
+   (labelled ``+xla-flags``), to try one of XLA's options beside the default in the same call.
 
 Random models are made with transformers on the device machine itself (PyTorch is there). A
 machine without network needs this repository and, where missing, wheels of the runtime's pure
@@ -360,13 +362,13 @@ def part_step(args: argparse.Namespace) -> dict:
         * 2
     )
     weight_bytes = _bytes_read_per_step(folder, config)
-    for fmt, pallas, num_seqs in _step_runs(args):  # one process each, most wanted first
-        label = fmt + ("+pallas" if pallas else "")
+    for fmt, pallas, num_seqs, flags in _step_runs(args):  # one process each, most wanted first
+        label = fmt + ("+pallas" if pallas else "") + ("+xla-flags" if flags else "")
         timeout = min(args.part_timeout, _remaining(args) - 10)
         if timeout < 30:
             out[label] = {"error": "skipped: the check's deadline"}
             continue
-        stdout, error = _bench_step(args, folder, fmt, pallas, num_seqs, timeout)
+        stdout, error = _bench_step(args, folder, fmt, pallas, num_seqs, flags, timeout)
         rows: dict[int | str, dict] = {}
         for num, what, best, median in re.findall(
             r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", stdout
@@ -390,21 +392,34 @@ def part_step(args: argparse.Namespace) -> dict:
     return out
 
 
-def _step_runs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
-    """(format, Pallas kernels forced, batch sizes) of the step part's benchmark processes: the
-    Pallas kernels first (never measured inside a step yet), then the reference for the ratio."""
+def _step_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
+    """(format, Pallas kernels forced, batch sizes, extra XLA flags) of the step part's
+    benchmark processes: the Pallas kernels first, then the reference for the ratio; with
+    ``--step-xla-flags``, the bfloat16 pair again under those flags before the packed formats."""
     formats = args.step_formats.split(",")
     first = args.num_seqs.split(",")[0]
-    runs = [("float", True, args.num_seqs), ("float", False, args.num_seqs)]
+    runs = [("float", True, args.num_seqs, ""), ("float", False, args.num_seqs, "")]
+    if args.step_xla_flags:
+        runs += [(fmt, pallas, n, args.step_xla_flags) for fmt, pallas, n, _ in runs]
     for fmt in (f for f in formats if f != "float"):
-        runs += [(fmt, True, first), (fmt, False, first)]
+        runs += [(fmt, True, first, ""), (fmt, False, first, "")]
     return [r for r in runs if r[0] in formats]
 
 
 def _bench_step(
-    args: argparse.Namespace, folder: Path, fmt: str, pallas: bool, num_seqs: str, timeout: float
+    args: argparse.Namespace,
+    folder: Path,
+    fmt: str,
+    pallas: bool,
+    num_seqs: str,
+    flags: str,
+    timeout: float,
 ) -> tuple[str, str]:
-    """``tools/bench_decode_step.py`` in a process: (its stdout, an error or "")."""
+    """``tools/bench_decode_step.py`` in a process, ``flags`` appended to ``XLA_FLAGS``: (its
+    stdout, an error or "")."""
+    env = _env()
+    if flags:
+        env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), flags) if f)
     command = [
         sys.executable,
         str(REPO / "tools" / "bench_decode_step.py"),
@@ -430,7 +445,7 @@ def _bench_step(
     ]
     try:
         result = subprocess.run(
-            command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env()
+            command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
         )
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -700,6 +715,12 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--num-seqs", default="1,64")
     parser.add_argument("--step-formats", default="float,q4_0")
+    parser.add_argument(
+        "--step-xla-flags",
+        default="",
+        help="XLA flags for a second pair of bfloat16 step runs (labelled +xla-flags), e.g. "
+        "--xla_gpu_enable_dynamic_slice_fusion=true",
+    )
     parser.add_argument("--part-timeout", type=int, default=240)
     parser.add_argument(
         "--layer-loop",

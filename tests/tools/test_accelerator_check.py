@@ -33,6 +33,7 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
             "1,2",
             "--step-formats",
             "float",
+            "--step-xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",  # parsed on CPU too
         ],
         capture_output=True,
         text=True,
@@ -43,14 +44,17 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
     figures = json.loads((out / "accelerator_check.json").read_text())
     assert figures["env"]["backend"] == "cpu"
     assert set(figures["roofline"]) >= {"1", "2"}
-    for label in ("float", "float+pallas"):  # the runtime's choice, then the Pallas kernels
+    # The runtime's choice, the Pallas kernels, and each again under the extra XLA flags.
+    labels = {"float", "float+pallas", "float+xla-flags", "float+pallas+xla-flags"}
+    for label in labels:
         rows = figures["step"][label]
         assert set(rows) == {"1", "2"}, rows
         assert all(row["best_ms"] > 0 and row["bandwidth_GBps"] > 0 for row in rows.values())
     # Each step's device time, traced (on CPU the host's thunks), and the attention alone.
-    assert {t["run"] for t in figures["step"]["traces"]} == {"float", "float+pallas"}
+    assert {t["run"] for t in figures["step"]["traces"]} == labels
     assert all(t["total_us"] > 0 and t["kernels"] for t in figures["step"]["traces"])
     assert all(figures["attention"][n]["pallas_ms"] > 0 for n in ("1", "2"))
     table = (out / "accelerator_check.md").read_text()
     assert "| float+pallas | 2 |" in table
+    assert "| float+pallas+xla-flags | 2 |" in table
     assert "Paged attention alone" in table
