@@ -4,6 +4,7 @@ and the release of each test module's compiled code."""
 from __future__ import annotations
 
 import gc
+import os
 import signal
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from jax_llm_runtime.runtime.loading.sources import resolve_model_source
 # takes Python's own handler back, so the processes it starts get the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# With several test workers on a few cores, PyTorch's threads (the HF references) wait for each
+# other at every small operator while another worker holds a core: a greedy reference took four
+# times as long as alone. One thread per worker leaves the cores to the workers. It is set here,
+# before any test module imports torch, so OpenMP reads it at load; a value given outside wins.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module", autouse=True)
