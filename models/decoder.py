@@ -127,8 +127,10 @@ class DecoderConfig:
     # Layers walked by an unrolled loop instead of ``lax.scan`` (``--layer-loop``); ``None``
     # (auto) is the scan on every backend. On GPU a scanned step copies each layer's slice of
     # every stacked weight before its matmul (XLA materializes the dynamic slice), reading the
-    # weights twice; unrolled, the slices are static and at 64 sequences the matmuls read the
-    # stack in place. But an unrolled step compiles as many layer bodies as the model has: an
+    # weights twice. Unrolled over static slices of the stacks, at 64 sequences the matmuls read
+    # the stack in place, but at one row XLA still copied whole stacks out; so an engine that
+    # walks the layers unrolled holds one array per layer (``ModelWeights.per_layer``), with no
+    # slice left to copy. But an unrolled step compiles as many layer bodies as the model has: an
     # engine on an H200 did not finish compiling the first of its five step shapes of a
     # 30-layer model in 190 s, where the scanned engine had started in under a minute; on
     # XLA:CPU the same engine compiled in 4x the scan's time (BENCHMARKS.md, "Accelerator

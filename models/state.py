@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
 from flax import nnx, struct
 
-from jax_llm_runtime.models.layers.params import params
+from jax_llm_runtime.models.layers.params import PerLayer, params
 
 
 @struct.dataclass
@@ -43,6 +44,22 @@ class ModelWeights(Mapping[str, Any]):
         if cfg is not None and cfg != model.cfg:
             model = nnx.merge(nnx.graphdef(model.redeclared(cfg)), self.state)
         return model
+
+    def per_layer(self, consume: bool = False) -> ModelWeights:
+        """The same weights with every stacked layer parameter held as one array per layer
+        (``PerLayer``), for a step that walks the layers unrolled (``--layer-loop unrolled``).
+
+        Each layer's arrays are copies of its slices, placed as the stack was. With
+        ``consume`` each stack is deleted once copied, so the device holds the weights once
+        (this ``ModelWeights`` must then not be used again). Stacks kept in host memory
+        (offloaded experts) stay stacked; the loop slices those."""
+        segments = self.model().segments
+        state = dict(self.state)
+        state["segments"] = {
+            k: _split_layers(v, segments[k].end - segments[k].start, consume)
+            for k, v in self.state["segments"].items()
+        }
+        return ModelWeights(self.graphdef, state)
 
     def variables(self) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
         """Every parameter with its path: its value and its declaration's metadata."""
@@ -78,3 +95,24 @@ def nested(flat: Iterable[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return out
+
+
+def _split_layers(node: Any, layers: int, consume: bool) -> Any:
+    """``node``'s parameter values (nested dicts), each stack of ``layers`` split (``per_layer``)."""
+    if isinstance(node, dict):
+        return {k: _split_layers(v, layers, consume) for k, v in node.items()}
+    arrays = jax.tree.leaves(node)
+    on_device = all(
+        getattr(a, "ndim", 0)
+        and a.shape[0] == layers
+        and a.sharding.memory_kind in (None, "device")
+        for a in arrays
+    )
+    if not arrays or not on_device:
+        return node
+    split = PerLayer(tuple(jax.tree.map(lambda a, i=i: a[i], node) for i in range(layers)))
+    if consume:
+        jax.block_until_ready(split)
+        for a in arrays:
+            a.delete()
+    return split

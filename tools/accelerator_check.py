@@ -383,6 +383,12 @@ def part_step(args: argparse.Namespace) -> dict:
                 if args.peak:
                     row["mbu"] = round(read / (float(best) / 1e3) / args.peak, 3)
             rows[key] = row
+        for num, what, seconds in re.findall(
+            r"decode\s+(\d+) seqs\s+(\S+): first call\s+([\d.]+) s", stdout
+        ):
+            key = f"{num}+unrolled" if "+unrolled" in what else int(num)
+            if key in rows:  # the compile: how long the unrolled step takes to build
+                rows[key]["first_call_s"] = float(seconds)
         out[label] = rows or {"error": error or stdout[-3000:]}
         out["traces"] += [
             {**json.loads(line[len("TRACE ") :]), "run": label}
@@ -681,18 +687,19 @@ def _markdown(results: dict) -> str:
             "",
             f"{step.get('model')}, {step.get('context')} positions per sequence:",
             "",
-            "| format | sequences | best ms | median ms | GB/s | MBU |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| format | sequences | best ms | median ms | GB/s | MBU | first call s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for fmt, rows in step.items():
             if isinstance(rows, dict) and all(str(k).split("+")[0].isdigit() for k in rows):
                 for n, row in rows.items():
                     lines.append(
                         f"| {fmt} | {n} | {row['best_ms']} | {row['median_ms']} | "
-                        f"{row.get('bandwidth_GBps', '')} | {row.get('mbu', '')} |"
+                        f"{row.get('bandwidth_GBps', '')} | {row.get('mbu', '')} | "
+                        f"{row.get('first_call_s', '')} |"
                     )
             elif isinstance(rows, dict) and "error" in rows:
-                lines.append(f"| {fmt} | error: {rows['error'][:200]!r} | | | | |")
+                lines.append(f"| {fmt} | error: {rows['error'][:200]!r} | | | | | |")
     for trace in step.get("traces", []):
         lines += [
             "",

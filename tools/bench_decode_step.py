@@ -103,8 +103,8 @@ def _parse_args() -> argparse.Namespace:
         "--unroll-layers",
         choices=("auto", "on", "off", "both"),
         default="auto",
-        help="walk the layers unrolled (on), under lax.scan (off), or as the runtime does on "
-        "this backend (auto: the scan); both times each format both ways",
+        help="walk the layers unrolled over one array per layer (on), under lax.scan (off), or "
+        "as the runtime does on this backend (auto: the scan); both times each format both ways",
     )
     parser.add_argument(
         "--trace",
@@ -143,16 +143,20 @@ def _load_models(args: argparse.Namespace, formats: list[str]) -> tuple[Any, Any
             for unroll in unrolls[args.unroll_layers]:
                 tag = "+unrolled" if unroll and args.unroll_layers == "both" else ""
                 unrolled = dataclasses.replace(config, unroll_layers=unroll)
+                # As the engine holds them: one array per layer where the loop is unrolled.
+                held = weights.per_layer() if unroll else weights
                 kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d] or [None]
                 for kv in kv_dtypes:
                     kv_tag = f"+kv-{kv}" if len(kv_dtypes) > 1 else ""
-                    models[label + tag + kv_tag] = (unrolled, weights, kv)
+                    models[label + tag + kv_tag] = (unrolled, held, kv)
     return spec, base, dtype, models
 
 
-def _compiled_steps(spec: Any, models: dict, batch: Any, cache_of: Any) -> dict[str, Any]:
+def _compiled_steps(
+    spec: Any, models: dict, batch: Any, cache_of: Any, what: str = ""
+) -> dict[str, Any]:
     """Per model, a warmed-up call of its jitted step on ``batch`` (each with its own cache,
-    ``cache_of(kv_dtype)``)."""
+    ``cache_of(kv_dtype)``); prints how long each first call (the compile) took."""
     steps = {}
     for name, (config, weights, kv_dtype) in models.items():
         cache = cache_of(kv_dtype)
@@ -166,7 +170,9 @@ def _compiled_steps(spec: Any, models: dict, batch: Any, cache_of: Any) -> dict[
             logits, state["cache"] = step(weights, state["cache"])
             return logits
 
+        start = time.perf_counter()
         jax.block_until_ready(run())
+        print(f"  {what} {name:>15}: first call {time.perf_counter() - start:.1f} s", flush=True)
         steps[name] = run
     return steps
 
@@ -234,7 +240,11 @@ def main() -> int:
     for what, batch, num_pages, reps in _batches(args):
         k_shape, v_shape = base.cache_shapes(num_pages, PAGE_SIZE)
         steps = _compiled_steps(
-            spec, models, batch, lambda kv, k=k_shape, v=v_shape: KVCache.zeros(k, kv or dtype, v)
+            spec,
+            models,
+            batch,
+            lambda kv, k=k_shape, v=v_shape: KVCache.zeros(k, kv or dtype, v),
+            what,
         )
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.rounds):

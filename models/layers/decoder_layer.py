@@ -21,7 +21,14 @@ from jax_llm_runtime.models.layers.mla import MLA, MLAConfig
 from jax_llm_runtime.models.layers.mlp import ACTIVATIONS, MLP
 from jax_llm_runtime.models.layers.moe import MoE
 from jax_llm_runtime.models.layers.norms import Norm
-from jax_llm_runtime.models.layers.params import EMBED, NORM, PER_LAYER, declare, layer_axes
+from jax_llm_runtime.models.layers.params import (
+    EMBED,
+    NORM,
+    PER_LAYER,
+    PerLayer,
+    declare,
+    layer_axes,
+)
 from jax_llm_runtime.pallas_kernels.dequant_matmul import PackedLayer, PackedWeight
 from jax_llm_runtime.pallas_kernels.paged_attention import KVCache
 
@@ -228,7 +235,9 @@ class Segment(nnx.Module):
         XLA copies each layer's slice of a custom call's operand, so where native kernels may
         run (``cfg.native_kernels``) the packed ``[layers, in, out]`` projections stay whole and
         each layer sees them as ``PackedLayer``s (expert stacks have more axes and are sliced).
-        The loop is unrolled where ``cfg.unroll_layers`` says (``--layer-loop unrolled``).
+        Where ``cfg.unroll_layers`` says (``--layer-loop unrolled``) the layers are walked by a
+        Python loop instead: each layer's values are its own arrays where the state holds them
+        per layer (``PerLayer``), else static slices of the stacks.
         """
         graphdef, whole, sliced = nnx.split(self.layers, _whole_stack(cfg.native_kernels), ...)
 
@@ -242,13 +251,28 @@ class Segment(nnx.Module):
             )
             return step(nnx.merge(graphdef, state, own), carry, meta), None
 
-        unroll = bool(cfg.unroll_layers)  # None (auto): the scan
         meta = layer_meta(cfg, self.start, self.end)
         if per_layer_inputs is not None:
             meta = meta.replace(per_layer_input=per_layer_inputs[self.start : self.end])
-        xs = (sliced, meta)
-        carry, _ = jax.lax.scan(body, carry, xs, unroll=unroll)
+        if not cfg.unroll_layers:  # None (auto): the scan
+            carry, _ = jax.lax.scan(body, carry, (sliced, meta))
+            return carry
+        for i in range(self.end - self.start):
+            layer = jax.tree.map(
+                lambda v, i=i: v.replace(_layer_value(v.get_value(), i)),
+                sliced,
+                is_leaf=lambda v: isinstance(v, nnx.Variable),
+            )
+            carry, _ = body(carry, (layer, jax.tree.map(lambda a, i=i: a[i], meta)))
         return carry
+
+
+def _layer_value(value: Any, i: int) -> Any:
+    """Layer ``i``'s value of a stacked parameter: its own array where the weights are held
+    per layer (``PerLayer``), else a static slice of the stack."""
+    if isinstance(value, PerLayer):
+        return value.layers[i]
+    return jax.tree.map(lambda a: a[i], value)
 
 
 def _whole_stack(native: bool) -> Callable[[tuple, Any], bool]:

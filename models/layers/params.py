@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, struct
 
 # Logical axes. Only some are split over a device mesh (``runtime.parallel.sharding``); the
 # others name what an axis is and stay whole.
@@ -67,6 +67,18 @@ def declare(
         eager_sharding=False,
         **metadata,
     )
+
+
+@struct.dataclass
+class PerLayer:
+    """A stacked parameter held as one array (or packed weight) per layer, in layer order.
+
+    The value a stacked parameter takes where the layers are walked unrolled
+    (``models.state.ModelWeights.per_layer``): each layer's matmuls then read an array of their
+    own, with no slice of a stack for XLA to copy out, and every layer's fusions are alike.
+    """
+
+    layers: tuple[Any, ...]
 
 
 def layer_axes(lead: Sequence[int]) -> tuple[str, ...]:

@@ -216,7 +216,10 @@ def configure_model(config: EngineConfig, hf_config: dict[str, Any]) -> tuple[Mo
     )
     model_config = per_layer_table_dtype(model_config, hf_config, resolve_dtype(config.dtype))
     if model_config.unroll_layers:
-        logger.info("layers walked unrolled (--layer-loop unrolled): each compiles on its own")
+        logger.info(
+            "layers walked unrolled (--layer-loop unrolled), one array per layer: each "
+            "compiles on its own"
+        )
     return spec, model_config
 
 
@@ -247,6 +250,10 @@ def _build_replica(
     if mesh is not None:
         model_config, weights = place_on_mesh(mesh, model_config, weights, config.expert_parallel)
     log_expert_offload(model_config, weights)
+    if model_config.unroll_layers:
+        # One array per layer: no slice of a stack to copy out, alike fusions in every layer.
+        # A lone replica owns the loaded arrays (replicas share them), so its stacks go.
+        weights = weights.per_layer(consume=config.data_parallel_size == 1)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, takes_int8_activations(weights))
     kernels = choose_kernels(
         model_config,

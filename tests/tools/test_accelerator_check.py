@@ -34,6 +34,8 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
             "--step-formats",
             "float",
             "--step-xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",  # parsed on CPU too
+            "--layer-loop",
+            "both",
         ],
         capture_output=True,
         text=True,
@@ -44,12 +46,14 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
     figures = json.loads((out / "accelerator_check.json").read_text())
     assert figures["env"]["backend"] == "cpu"
     assert set(figures["roofline"]) >= {"1", "2"}
-    # The runtime's choice, the Pallas kernels, and each again under the extra XLA flags.
+    # The runtime's choice, the Pallas kernels, and each again under the extra XLA flags; each
+    # with the layers scanned and unrolled (over one array per layer), with its compile time.
     labels = {"float", "float+pallas", "float+xla-flags", "float+pallas+xla-flags"}
     for label in labels:
         rows = figures["step"][label]
-        assert set(rows) == {"1", "2"}, rows
+        assert set(rows) == {"1", "2", "1+unrolled", "2+unrolled"}, rows
         assert all(row["best_ms"] > 0 and row["bandwidth_GBps"] > 0 for row in rows.values())
+        assert all(row["first_call_s"] > 0 for row in rows.values())
     # Each step's device time, traced (on CPU the host's thunks), and the attention alone.
     assert {t["run"] for t in figures["step"]["traces"]} == labels
     assert all(t["total_us"] > 0 and t["kernels"] for t in figures["step"]["traces"])
@@ -57,4 +61,5 @@ def test_tiny_run_writes_step_and_roofline_figures(tmp_path: Path) -> None:
     table = (out / "accelerator_check.md").read_text()
     assert "| float+pallas | 2 |" in table
     assert "| float+pallas+xla-flags | 2 |" in table
+    assert "| float+pallas | 2+unrolled |" in table
     assert "Paged attention alone" in table
