@@ -105,6 +105,9 @@ constexpr int kSpins = 20000;  // pause loops (~50 us) before the calling thread
 // RunItem's copy of a block prefetches the plane rows this far ahead of the
 // four it transposes (into L2: prefetcht1).
 constexpr int64_t kCopyAhead = 16;
+// PassQ8Lone prefetches the plane rows of the run this many runs ahead of the
+// one it multiplies (into L2: prefetcht1).
+constexpr int64_t kLoneAhead = 2;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -273,6 +276,19 @@ inline GroupRows RowsOf(const Weight& w, int64_t half) {
   const int64_t* at = w.starts + half * kArrays;
   return GroupRows{w.d + at[0], w.sc ? w.sc + at[1] : nullptr, w.z ? w.z + at[2] : nullptr,
                    w.mn ? w.mn + at[3] : nullptr, w.m ? w.m + at[4] : nullptr};
+}
+
+// Prefetches (into L2) the 64 columns from `c` of a half run's group arrays.
+inline void PrefetchGroups(const GroupRows& g, int64_t c) {
+  __builtin_prefetch(g.d + c, 0, 2);
+  __builtin_prefetch(g.d + c + 32, 0, 2);
+  if (g.sc) __builtin_prefetch(g.sc + c, 0, 2);
+  if (g.z) __builtin_prefetch(g.z + c, 0, 2);
+  if (g.mn) {
+    __builtin_prefetch(g.mn + c, 0, 2);
+    __builtin_prefetch(g.mn + c + 32, 0, 2);
+  }
+  if (g.m) __builtin_prefetch(g.m + c, 0, 2);
 }
 
 // s and s * z + l of one vector of columns from `c` of a half run's group.
@@ -773,6 +789,10 @@ void PassQ8One(const Problem& p, int64_t col, int64_t end, int64_t r0, float* __
 // SmolLM2 Q8_0 head: 4.3 against 1.4 ms), and 1.2x slower on its 1,536-column
 // projections. Each group's integer dot and y's operations are PassQ8One's, in
 // its order, so a lone row's outputs are bit-equal to its row's in a batch.
+// A chunk's stretch of each plane row in a run is a few lines, too short for
+// the hardware prefetchers: on a Zen 4 the loads stalled on memory (a
+// one-sequence step 10.8 ms), so the pass prefetches the plane rows and group
+// arrays of the run kLoneAhead ahead, a line of each per 64 columns (6.8 ms).
 template <int B0, int B1>
 void PassQ8Lone(const Problem& p, int64_t c0, int64_t c1) {
   constexpr int kRows0 = 4 * B0, kRows1 = B1 ? 4 * B1 : 1;
@@ -790,7 +810,19 @@ void PassQ8Lone(const Problem& p, int64_t c0, int64_t c1) {
     const Vec xo1 = Splat(fine ? x.xh[(2 * run + 1) * kRowBlock] : 0.0f);
     const uint8_t* rows0 = w.p0 + run * kRows0 * w.n;
     const uint8_t* rows1 = B1 ? w.p1 + run * kRows1 * w.n : nullptr;
+    const bool ahead = run + kLoneAhead < runs;
+    const GroupRows n0 = ahead ? RowsOf(w, 2 * (run + kLoneAhead)) : g0;
+    const GroupRows n1 = ahead ? RowsOf(w, 2 * (run + kLoneAhead) + 1) : g1;
     for (int64_t c = c0; c < c1; c += kLanes) {
+      if (ahead && (c - c0) % 64 == 0) {  // a new line of each plane row: the later run's too
+        for (int r = 0; r < kRows0; ++r)
+          __builtin_prefetch(rows0 + (kLoneAhead * kRows0 + r) * w.n + c, 0, 2);
+        if constexpr (B1 != 0)
+          for (int r = 0; r < kRows1; ++r)
+            __builtin_prefetch(rows1 + (kLoneAhead * kRows1 + r) * w.n + c, 0, 2);
+        PrefetchGroups(n0, c);
+        PrefetchGroups(n1, c);
+      }
       UVec hi[B1 ? B1 : 1];
       if constexpr (B1 != 0)
         for (int v = 0; v < B1; ++v) hi[v] = Gather4(rows1 + 4 * v * w.n + c, w.n);
