@@ -9,7 +9,8 @@ kernel that wins on AVX-512 lost 3.6x on an AVX2-only machine). The call classes
   ``NATIVE_MAX_TOKENS_LARGE`` rows through a matrix too large to stay in cache: the LM head,
   timed against a float32 head's dot, since a head the kernel loses is loaded as float32; a
   large packed projection follows the same verdict, against a dequantizing reference that is
-  slower still);
+  slower still), and ``large_int8`` (the same head call with int8 activations: under
+  ``--matmul-dtype int8`` the head takes one path for every row count, chosen by this one);
 - paged attention: ``decode`` (one query token per sequence) and ``prefill`` (a chunk of them).
 
 ``("dequant_matmul", "int8")`` is not measured (int8 activations have no faster XLA path); it is
@@ -24,7 +25,10 @@ from __future__ import annotations
 
 import threading
 
-KERNELS = {"dequant_matmul": ("one_row", "rows", "large"), "paged_attention": ("decode", "prefill")}
+KERNELS = {
+    "dequant_matmul": ("one_row", "rows", "large", "large_int8"),
+    "paged_attention": ("decode", "prefill"),
+}
 _verdicts: dict[tuple[str, str], bool] = {}
 _lock = threading.Lock()
 

@@ -134,12 +134,14 @@ def packed_head(rows: int, tied: bool, int8_activations: bool) -> bool:
     the measured verdicts: one row where the kernel wins one row; more where it wins the large
     class too, or where there is no float head to use instead (an untied head is kept one way
     only). int8 activations take one path for every row count, so that a request's tokens do not
-    depend on its batch."""
+    depend on its batch: the packed one where the kernel wins one row and, with int8
+    activations, the large class (``large_int8``)."""
     one_row = cpu_choice.native_wins("dequant_matmul", "one_row")
-    large = cpu_choice.native_wins("dequant_matmul", "large")
-    if rows == 1 and tied and not int8_activations:
+    if int8_activations:
+        return one_row and cpu_choice.native_wins("dequant_matmul", "large_int8")
+    if rows == 1 and tied:
         return one_row
-    return one_row and large
+    return one_row and cpu_choice.native_wins("dequant_matmul", "large")
 
 
 def _native_runs(

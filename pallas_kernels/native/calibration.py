@@ -113,7 +113,7 @@ def _write(path: Path, timings: dict[str, Any]) -> None:
 
 
 # Bump when the measured shapes change, so cached verdicts are measured again.
-_VERSION = "3"
+_VERSION = "4"
 
 
 def _ms(native_fn: Callable[..., Any], xla_fn: Callable[..., Any], *args: Any) -> dict[str, float]:
@@ -153,8 +153,9 @@ def _gguf_weight(qtype: T, k: int, n: int, rng: np.random.Generator) -> Any:
 def _measure_dequant() -> dict[str, dict[str, float]]:
     """SmolLM2-135M's shapes: a Q4_1 MLP projection [576, 1536] at 1 and 8 rows against the
     reference (the projections stay packed either way, so XLA dequantizes them on every call),
-    and its Q8_0 LM head [576, 49152] at 16 rows against a float32 head's dot (what the loader
-    makes of the head where the kernel loses: see ``models.checkpoint``)."""
+    and its Q8_0 LM head [576, 49152] at 16 rows, with float and with int8 activations, against
+    a float32 head's dot (what the loader makes of the head where the kernel loses: see
+    ``models.checkpoint``)."""
     rng = np.random.default_rng(0)
     projection = _gguf_weight(T.Q4_1, 576, 1536, rng)
     head = _gguf_weight(T.Q8_0, 576, 49152, rng)
@@ -164,11 +165,15 @@ def _measure_dequant() -> dict[str, dict[str, float]]:
         ("one_row", projection, 1),
         ("rows", projection, 8),
         ("large", head, 16),
+        ("large_int8", head, 16),
     ):
         x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
-        if call_class == "large":  # the float head takes the packed one's place as an operand
+        if call_class.startswith("large"):  # the float head takes the packed one's place
+            int8 = call_class == "large_int8"
             out[call_class] = _ms(
-                lambda x, w: native_dequant.dequant_matmul(x, w[0]),
+                lambda x, w, int8=int8: native_dequant.dequant_matmul(
+                    x, w[0], int8_activations=int8
+                ),
                 lambda x, w: jnp.matmul(x, w[1]),
                 x,
                 (w, float_head),

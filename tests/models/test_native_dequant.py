@@ -41,10 +41,12 @@ PROMPTS = (
 )
 
 
-def _load(path, native: bool) -> Loaded:
+def _load(path, native: bool, operand_dtype: str | None = None) -> Loaded:
     checkpoint = load_gguf_checkpoint(path)
     spec = get_model_spec(checkpoint.config["architectures"][0])
-    config = dataclasses.replace(spec.config_from_hf(checkpoint.config), native_kernels=native)
+    config = dataclasses.replace(
+        spec.config_from_hf(checkpoint.config), native_kernels=native, operand_dtype=operand_dtype
+    )
     weights = spec.load(config, checkpoint.tensors(packed=True), np.float32)
     return Loaded(spec, config, weights)
 
@@ -113,3 +115,37 @@ def test_the_tied_head_takes_the_path_measured_faster_per_row_count(
         got = decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows]))
         np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-3)
     assert set(calls) == packed_rows
+
+
+@pytest.mark.skipif(
+    not native.available(),
+    reason="no C++ compiler built the native kernel here (it runs wherever one does, CI included)",
+)
+@pytest.mark.parametrize("large_int8", [True, False])
+def test_with_int8_activations_the_head_follows_the_int8_verdict(
+    smollm2_gguf, monkeypatch: pytest.MonkeyPatch, large_int8
+):
+    """Under int8 activations the head takes one path for every row count, chosen by the large
+    class measured with int8 activations, whatever the float-activation verdict: an AVX2 Zen 4
+    timed the float-activation head a tie with the float32 dot at 16 rows (and so read the
+    113 MB float head at one row too), where its int8 passes won."""
+    from jax_llm_runtime.models import decoder
+
+    verdicts = {"one_row": True, "large": not large_int8, "large_int8": large_int8}
+    monkeypatch.setattr(
+        cpu_choice, "_verdicts", {("dequant_matmul", c): v for c, v in verdicts.items()}
+    )
+    model = _load(smollm2_gguf, native=True, operand_dtype="int8")
+    assert isinstance(model.weights.get("lm_head"), PackedWeight) is large_int8
+    calls = []
+    real = decoder.dequant_matmul
+    monkeypatch.setattr(
+        decoder, "dequant_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
+    )
+    h = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
+    want = h @ np.asarray(model.weights["embed"]).T
+    for rows in (1, 3):
+        got = decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows]))
+        # int8 activations round x to 8 bits: within a hundredth of the logits' range.
+        assert np.abs(np.asarray(got) - want[:rows]).max() < 0.01 * np.abs(want).max()
+    assert set(calls) == ({1, 3} if large_int8 else set())

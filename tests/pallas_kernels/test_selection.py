@@ -87,7 +87,7 @@ def test_on_cpu_reference_turns_the_native_kernel_off_and_pallas_is_refused(weig
     forced = {"dequant_matmul": "reference"}
     choices = selection.choose_kernels(CONFIG, weights, jnp.float32, forced, backend="cpu")
     assert choices["dequant_matmul"] == "reference"
-    classes = ("one_row", "rows", "large", "int8")
+    classes = ("one_row", "rows", "large", "large_int8", "int8")
     assert not any(cpu_choice.native_wins("dequant_matmul", c) for c in classes)
     # int8 activations too: the reference rounds x as the kernel would and multiplies in XLA.
     w = weights["segments"][0]["w_up"]
