@@ -95,8 +95,6 @@ def test_the_tied_head_takes_the_path_measured_faster_per_row_count(
     """The Q8_0 tied embedding is kept packed as the LM head where the kernel won one row; a
     batch reads it packed only where the kernel also won the large class (an AVX2 CPU measured
     the float32 head's dot faster at 16 rows). Both give the float head's logits."""
-    from jax_llm_runtime.models import decoder
-
     monkeypatch.setattr(
         cpu_choice,
         "_verdicts",
@@ -104,17 +102,31 @@ def test_the_tied_head_takes_the_path_measured_faster_per_row_count(
     )
     model = _load(smollm2_gguf, native=True)
     assert isinstance(model.weights.get("lm_head"), PackedWeight) is kept
-    calls = []
+    calls, logits, want = _head_calls(model, monkeypatch)
+    for got in logits:
+        np.testing.assert_allclose(got, want[: len(got)], rtol=1e-4, atol=1e-3)
+    assert calls == packed_rows
+
+
+def _head_calls(
+    model: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> tuple[set[int], list[np.ndarray], np.ndarray]:
+    """The LM head of 1 and then 3 rows of random hidden states: the row counts of the calls
+    that read the packed head, each call's logits, and the float embedding's logits."""
+    from jax_llm_runtime.models import decoder
+
+    calls = set()
     real = decoder.dequant_matmul
     monkeypatch.setattr(
-        decoder, "dequant_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
+        decoder, "dequant_matmul", lambda x, *a, **k: calls.add(x.shape[0]) or real(x, *a, **k)
     )
     h = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
     want = h @ np.asarray(model.weights["embed"]).T
-    for rows in (1, 3):
-        got = decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows]))
-        np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-3)
-    assert set(calls) == packed_rows
+    logits = [
+        np.asarray(decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows])))
+        for rows in (1, 3)
+    ]
+    return calls, logits, want
 
 
 @pytest.mark.skipif(
@@ -129,23 +141,13 @@ def test_with_int8_activations_the_head_follows_the_int8_verdict(
     class measured with int8 activations, whatever the float-activation verdict: an AVX2 Zen 4
     timed the float-activation head a tie with the float32 dot at 16 rows (and so read the
     113 MB float head at one row too), where its int8 passes won."""
-    from jax_llm_runtime.models import decoder
-
     verdicts = {"one_row": True, "large": not large_int8, "large_int8": large_int8}
     monkeypatch.setattr(
         cpu_choice, "_verdicts", {("dequant_matmul", c): v for c, v in verdicts.items()}
     )
     model = _load(smollm2_gguf, native=True, operand_dtype="int8")
     assert isinstance(model.weights.get("lm_head"), PackedWeight) is large_int8
-    calls = []
-    real = decoder.dequant_matmul
-    monkeypatch.setattr(
-        decoder, "dequant_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
-    )
-    h = np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32)
-    want = h @ np.asarray(model.weights["embed"]).T
-    for rows in (1, 3):
-        got = decoder.lm_head(model.config, model.weights, jax.numpy.asarray(h[:rows]))
-        # int8 activations round x to 8 bits: within a hundredth of the logits' range.
-        assert np.abs(np.asarray(got) - want[:rows]).max() < 0.01 * np.abs(want).max()
-    assert set(calls) == ({1, 3} if large_int8 else set())
+    calls, logits, want = _head_calls(model, monkeypatch)
+    for got in logits:  # int8 activations round x to 8 bits: within 1% of the logits' range
+        assert np.abs(got - want[: len(got)]).max() < 0.01 * np.abs(want).max()
+    assert calls == ({1, 3} if large_int8 else set())
