@@ -83,8 +83,8 @@ class EngineConfig:
     "reference" (``pallas_kernels.selection``).
     layer_loop says how a step walks the layers: "scan" (``lax.scan``: one compiled layer body),
     "unrolled" (each layer compiled on its own, over one array per layer: no slice of a stack
-    for XLA to copy out, but the step compiles several times slower), or "auto" (the scan, on every backend
-    today: ``models.decoder.DecoderConfig.unroll_layers`` says why).
+    for XLA to copy out, but the step compiles several times slower), or "auto" (the scan, on
+    every backend today: ``models.decoder.DecoderConfig.unroll_layers`` says why).
     prefix_cache reuses the cached K/V of full pages whose tokens (and every token before them)
     match an earlier sequence's. debug_fill_freed_pages fills every page with NaN when it is
     handed to a new owner, so that a read of stale K/V shows up as a non-finite output.

@@ -373,8 +373,7 @@ def part_step(args: argparse.Namespace) -> dict:
         for num, what, best, median in re.findall(
             r"decode\s+(\d+) seqs\s+(\S+): best\s+([\d.]+)\s+median\s+([\d.]+)", stdout
         ):
-            n = int(num)
-            key = f"{n}+unrolled" if "+unrolled" in what else n
+            n, key = int(num), _row_key(num, what)
             row = {"best_ms": float(best), "median_ms": float(median)}
             if fmt == "float":  # the bytes of a packed format's step are not counted here
                 read = weight_bytes + n * args.context * kv_per_position
@@ -386,7 +385,7 @@ def part_step(args: argparse.Namespace) -> dict:
         for num, what, seconds in re.findall(
             r"decode\s+(\d+) seqs\s+(\S+): first call\s+([\d.]+) s", stdout
         ):
-            key = f"{num}+unrolled" if "+unrolled" in what else int(num)
+            key = _row_key(num, what)
             if key in rows:  # the compile: how long the unrolled step takes to build
                 rows[key]["first_call_s"] = float(seconds)
         out[label] = rows or {"error": error or stdout[-3000:]}
@@ -396,6 +395,11 @@ def part_step(args: argparse.Namespace) -> dict:
             if line.startswith("TRACE ")
         ]
     return out
+
+
+def _row_key(num: str, what: str) -> int | str:
+    """A step row's key: the sequence count, with ``+unrolled`` for the unrolled loop's."""
+    return f"{num}+unrolled" if "+unrolled" in what else int(num)
 
 
 def _step_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
